@@ -1,0 +1,265 @@
+"""Contraction rules: where column, row and vocab parallelism come from.
+
+Megatron's rule, stated over the dataflow:
+
+* a parameter contracted with a *replicated* activation is **column-parallel**: each of
+  its output features becomes an atom, ``Y = X·[W_1 … W_p]``;
+* a parameter contracted over *sharded* features is **row-parallel**: its input features
+  join the atoms they meet, and its output is a partial sum (one all-reduce);
+* an ``embedding`` table is **vocab-parallel** (rows split, masked lookup, all-reduce);
+* activation × activation contractions (``q @ kᵀ``, ``attn @ v``, SDPA) tie batch-aligned
+  features (a query head to its key/value head) and everything contracted over (a head's
+  ``head_dim``) into one unit.
+
+The weight may reach the op transposed or cast (Falcon's ``x @ W.T``, GPT-2's ``Conv1D``
+``addmm`` with a ``[in, out]`` weight, a ``[E, in, out]`` grouped matmul of fused MoE
+experts): :class:`ParamRef` tracks which parameter dim is contracted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tpcompile.analysis.propagate import Analysis, innermost_module, rule
+from tpcompile.analysis.state import (
+    Aligned,
+    ColumnUse,
+    EmbeddingUse,
+    Feat,
+    ParamRef,
+    Partial,
+    RowUse,
+)
+
+__all__ = ["CONTRACT_RULES", "linear_like"]
+
+aten = torch.ops.aten
+
+
+def linear_like(
+    an: Analysis,
+    node: torch.fx.Node,
+    x: torch.fx.Node,
+    w: ParamRef,
+    w_in: int,
+    w_out: int,
+    bias: object = None,
+) -> object:
+    """``x`` contracted with parameter ``w`` over tensor dim ``w_in`` of ``w``'s view."""
+    p_in, p_out = w.dims[w_in], w.dims[w_out]
+    xv = an.val(x)
+    module = innermost_module(node)
+    bias_ref = an.val(bias) if isinstance(bias, torch.fx.Node) else None
+    bias_fqn = bias_ref.fqn if isinstance(bias_ref, ParamRef) else None
+    if p_in is None or p_out is None:
+        an.poison_node(node, f"weight {w.fqn} is used through a view tpcompile cannot map", xv)
+        return None
+    if isinstance(xv, Partial):
+        an.reduce_partials(node)
+        xv = None
+    out_features = an.shape(node)[-1]
+    if xv is None:
+        if w.fqn in an.forced_replicated:
+            return None
+        atoms = an.atoms.param_atoms(w.fqn, p_out, out_features)
+        if bias_fqn is not None:
+            an.union(an.atoms.param_atoms(bias_fqn, bias_ref.dims[0], out_features), atoms)
+        an.columns.append(ColumnUse(node, w.fqn, p_out, p_in, bias_fqn, module, atoms))
+        return Feat(atoms.reshape((1,) * (an.ndim(node) - 1) + (-1,)))
+    if not isinstance(xv, Feat):
+        return None
+    xa = an.aligned_to(xv.atoms, an.ndim(x))
+    if any(s > 1 for s in xa.shape[:-1]) or xa.shape[-1] == 1:
+        an.poison_node(node, f"{w.fqn} contracts features that vary along other dims", xv)
+        return None
+    k = an.shape(x)[-1]
+    in_atoms = an.atoms.param_atoms(w.fqn, p_in, k)
+    an.union(in_atoms, xa.reshape(-1))
+    an.rows.append(RowUse(node, w.fqn, p_in, bias_fqn, module, in_atoms))
+    return Partial((len(an.rows) - 1,))
+
+
+@rule(aten.linear)
+def linear(an: Analysis, node: torch.fx.Node) -> object:
+    w = an.val(node.args[1])
+    if not isinstance(w, ParamRef):
+        return activation_matmul(an, node, node.args[0], node.args[1], transpose_y=True)
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return linear_like(an, node, node.args[0], w, 1, 0, bias)
+
+
+@rule(aten.addmm)
+def addmm(an: Analysis, node: torch.fx.Node) -> object:
+    bias, x, w = node.args[:3]
+    wv = an.val(w)
+    if isinstance(wv, ParamRef):
+        return linear_like(an, node, x, wv, 0, 1, bias)
+    out = activation_matmul(an, node, x, w)
+    return out
+
+
+@rule(aten.mm, aten.matmul, aten.bmm)
+def matmul(an: Analysis, node: torch.fx.Node) -> object:
+    x, y = node.args[:2]
+    yv = an.val(y)
+    if isinstance(yv, ParamRef) and an.ndim(y) >= 2:
+        return linear_like(an, node, x, yv, an.ndim(y) - 2, an.ndim(y) - 1)
+    return activation_matmul(an, node, x, y)
+
+
+@rule(aten._grouped_mm)
+def grouped_mm(an: Analysis, node: torch.fx.Node) -> object:
+    """``[T, in] x [E, in, out]`` with per-expert token offsets (fused MoE experts)."""
+    x, w = node.args[:2]
+    wv = an.val(w)
+    if isinstance(wv, ParamRef) and an.ndim(w) == 3:
+        return linear_like(an, node, x, wv, 1, 2)
+    if isinstance(an.val(x), Feat | Partial) or isinstance(wv, Feat):
+        an.poison_node(node, "grouped matmul of two activations", an.val(x), wv)
+    return None
+
+
+def activation_matmul(
+    an: Analysis, node: torch.fx.Node, x: torch.fx.Node, y: torch.fx.Node, *, transpose_y: bool = False
+) -> object:
+    """``x [..., m, k] @ y [..., k, n]``: batch dims aligned, ``k`` contracted."""
+    xv, yv = an.val(x), an.val(y)
+    if isinstance(xv, Partial) or isinstance(yv, Partial):
+        an.reduce_partials(node)
+        return None
+    if not isinstance(xv, Feat) and not isinstance(yv, Feat):
+        return None
+    nd = an.ndim(node)
+    if an.ndim(x) < 2 or an.ndim(y) < 2:
+        an.poison_node(node, "vector matmul on sharded features", xv, yv)
+        return None
+    xa = an.aligned_to(xv.atoms, an.ndim(x)) if isinstance(xv, Feat) else None
+    ya = an.aligned_to(yv.atoms, an.ndim(y)) if isinstance(yv, Feat) else None
+    if ya is not None and transpose_y:
+        ya = np.swapaxes(ya, -1, -2)
+    if (xa is None and ya is not None and ya.shape[-2] > 1) or (ya is None and xa is not None and xa.shape[-1] > 1):
+        an.poison_node(node, "sharded features contracted with a replicated activation", xv, yv)
+        return None
+    x_m = x_k = y_k = y_n = None
+    if xa is not None:
+        xa = an.aligned_to(xa, nd)
+        x_k = an.union_along(xa, [nd - 2])
+        x_m = an.union_along(xa, [nd - 1])
+        an.union_along(x_k, [nd - 1])
+    if ya is not None:
+        ya = an.aligned_to(ya, nd)
+        y_k = an.union_along(ya, [nd - 1])
+        y_n = an.union_along(ya, [nd - 2])
+        an.union_along(y_k, [nd - 2])
+    if x_k is not None and y_k is not None:
+        an.union(np.swapaxes(x_k, -1, -2), y_k)
+    parts = [p for p in (x_m, y_n) if p is not None]
+    out = parts[0]
+    if len(parts) == 2:
+        an.union(parts[0], parts[1])
+        shape = np.broadcast_shapes(parts[0].shape, parts[1].shape)
+        a, b = np.broadcast_to(parts[0], shape), np.broadcast_to(parts[1], shape)
+        out = np.where(a >= 0, a, b)
+    return an.feat(out)
+
+
+@rule(aten.baddbmm)
+def baddbmm(an: Analysis, node: torch.fx.Node) -> object:
+    out = activation_matmul(an, node, node.args[1], node.args[2])
+    base = node.args[0]
+    if isinstance(out, Feat) and isinstance(base, torch.fx.Node) and not isinstance(an.val(base), Feat):
+        shape = (1,) * (an.ndim(node) - an.ndim(base)) + an.shape(base)
+        operand = an.val(base) if isinstance(an.val(base), ParamRef) else base
+        an.aligned.append(Aligned(node, operand, out.atoms, shape, base in an.tainted))
+    return out
+
+
+def _gqa_expand(an: Analysis, atoms: np.ndarray, heads: int) -> np.ndarray:
+    """Expand ``[.., kv_heads, ..]`` atoms to ``heads`` with one replica per query head."""
+    kv = atoms.shape[1]
+    if kv == heads or kv == 1:
+        return atoms
+    rep = heads // kv
+    an.replicated_bases.append(atoms.reshape(-1).copy())
+    copies = np.stack([an.atoms.replicas(atoms) for _ in range(rep)], axis=2)
+    return copies.reshape((atoms.shape[0], heads) + atoms.shape[2:])
+
+
+@rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+      aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention)
+def sdpa(an: Analysis, node: torch.fx.Node) -> object:
+    """Attention per head: ``softmax(q kᵀ) v`` ties each query head to its key/value head."""
+    q, k, v = node.args[:3]
+    vals = [an.val(t) for t in (q, k, v)]
+    if any(isinstance(t, Partial) for t in vals):
+        an.reduce_partials(node)
+        return None
+    if not any(isinstance(t, Feat) for t in vals):
+        return None
+    heads = an.shape(q)[1]
+    full = []
+    for t, tv in zip((q, k, v), vals):
+        if not isinstance(tv, Feat):
+            full.append(None)
+            continue
+        a = an.aligned_to(tv.atoms, 4)
+        full.append(_gqa_expand(an, a, heads) if a.shape[1] > 1 else a)
+    qa, ka, va = full
+    if qa is None or ka is None:
+        an.poison_node(node, "attention with replicated queries or keys but sharded values", *vals)
+        return None
+    q_head = an.union_along(an.union_along(qa, [3]), [2])
+    k_head = an.union_along(an.union_along(ka, [3]), [2])
+    an.union(q_head, k_head)
+    out = None
+    if va is not None:
+        an.union(q_head, va)
+        out = an.union_along(va, [2])
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, torch.fx.Node) and an.ndim(mask) == 4 and an.shape(mask)[1] > 1:
+        mv = an.val(mask)
+        operand = mv if isinstance(mv, ParamRef) else mask
+        an.aligned.append(Aligned(node, operand, q_head, an.shape(mask), mask in an.tainted))
+    if out is None:
+        an.poison_node(node, "attention with sharded queries but replicated values", *vals)
+        return None
+    result = an.feat(out)
+    if node.target is aten.scaled_dot_product_attention.default:
+        return result
+    return [result] + [None] * 8
+
+
+@rule(aten.embedding)
+def embedding(an: Analysis, node: torch.fx.Node) -> object:
+    w, ids = node.args[:2]
+    wv = an.val(w)
+    if not isinstance(wv, ParamRef) or isinstance(an.val(ids), Feat):
+        return None
+    if wv.fqn in an.forced_replicated or wv.dims[0] is None:
+        return None
+    rows = an.shape(w)[0]
+    atoms = an.atoms.param_atoms(wv.fqn, wv.dims[0], rows)
+    an.embeddings.append(EmbeddingUse(node, wv.fqn, innermost_module(node), atoms))
+    return None
+
+
+@rule(aten.index)
+def index(an: Analysis, node: torch.fx.Node) -> object:
+    """Advanced indexing on dims that carry no features (MoE token routing)."""
+    src, indices = node.args[:2]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v
+    if not isinstance(v, Feat):
+        return None
+    a = an.aligned_to(v.atoms, an.ndim(src))
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if used != list(range(len(used))) or any(a.shape[i] > 1 for i in used):
+        an.poison_node(node, "indexing across sharded features", v)
+        return None
+    rest = a[(0,) * len(used)] if used else a
+    return an.feat(an.aligned_to(np.asarray(rest), an.ndim(node)))
+
+
+CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, sdpa, embedding, index]

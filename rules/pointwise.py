@@ -1,0 +1,103 @@
+"""Pointwise rules: elementwise math ties the features it lines up.
+
+``silu(gate) * up`` ties gate feature ``i`` to up feature ``i``; rotary's
+``q * cos + rotate_half(q) * sin`` ties features within a head.  A value without features
+(a norm weight, ``cos``, a mask) combined with sharded features is recorded as
+:class:`Aligned`: after partitioning it is either sliced like the features (a per-head
+parameter), replicated with its gradient all-reduced (a norm weight broadcast over the
+local heads), or, for a computed activation that would need slicing, the region is kept
+replicated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tpcompile.analysis.propagate import Analysis, rule
+from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial
+
+__all__ = ["POINTWISE_RULES", "pointwise"]
+
+aten = torch.ops.aten
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            out.append(a)
+    return out
+
+
+def _partial_result(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]) -> object:
+    """A partial sum survives ops linear in it: f(a + b) = f(a) + f(b)."""
+    vals = [an.val(a) for a in args]
+    partials = [v for v in vals if isinstance(v, Partial)]
+    others = [v for v in vals if not isinstance(v, Partial)]
+    packet = getattr(node.target, "overloadpacket", node.target)
+    if not any(isinstance(v, Feat) for v in others):
+        first_is_partial = isinstance(an.val(node.args[0]), Partial)
+        if packet is aten.neg or (packet is aten.mul and len(partials) == 1):
+            return partials[0]
+        if packet in (aten.div, aten.true_divide) and len(partials) == 1 and first_is_partial:
+            return partials[0]
+        if packet in (aten.add, aten.sub) and not others:
+            return Partial(tuple(r for p in partials for r in p.rows))
+    an.reduce_partials(node)
+    return None
+
+
+def pointwise(an: Analysis, node: torch.fx.Node) -> object:
+    """Generic elementwise rule (with broadcasting)."""
+    args = _tensor_args(node)
+    if any(isinstance(an.val(a), Partial) for a in args):
+        return _partial_result(an, node, args)
+    nd = an.ndim(node)
+    feats = [an.aligned_to(an.val(a).atoms, nd) for a in args if isinstance(an.val(a), Feat)]
+    if not feats:
+        return None
+    out = feats[0]
+    for other in feats[1:]:
+        an.union(out, other)
+        shape = np.broadcast_shapes(out.shape, other.shape)
+        a, b = np.broadcast_to(out, shape), np.broadcast_to(other, shape)
+        out = np.where(a >= 0, a, b)
+    for a in args:
+        v = an.val(a)
+        if isinstance(v, Feat):
+            continue
+        shape = an.shape(a)
+        if int(np.prod(shape)) <= 1:
+            continue
+        aligned = (1,) * (nd - len(shape)) + tuple(shape)
+        operand = v if isinstance(v, ParamRef) else a
+        an.aligned.append(Aligned(node, operand, out, aligned, a in an.tainted))
+    return an.feat(out)
+
+
+_POINTWISE_OPS = [
+    aten.add, aten.sub, aten.mul, aten.div, aten.true_divide, aten.rsub, aten.pow,
+    aten.neg, aten.abs, aten.exp, aten.log, aten.sqrt, aten.rsqrt, aten.reciprocal,
+    aten.square, aten.tanh, aten.sigmoid, aten.silu, aten.gelu, aten.relu, aten.erf,
+    aten.sin, aten.cos, aten.softplus, aten.clamp, aten.clamp_min, aten.clamp_max,
+    aten.where, aten.masked_fill, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
+    aten.logical_and, aten.logical_or, aten.logical_not, aten.bitwise_and,
+    aten.bitwise_or, aten.bitwise_not, aten.minimum, aten.maximum, aten.sign,
+    aten.floor, aten.ceil, aten.round, aten.trunc, aten.log1p, aten.expm1, aten.elu,
+    aten.leaky_relu, aten.hardtanh, aten.mish, aten.hardswish, aten.hardsigmoid,
+    aten.gelu_, aten.mul_, aten.add_, aten.div_, aten.sub_, aten.tanh_, aten.relu_,
+    aten.fill, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like,
+    aten.isnan, aten.isinf, aten.nan_to_num, aten.lerp, aten.addcmul, aten.addcdiv,
+    aten.fmod, aten.remainder, aten.__and__, aten.__or__, aten.atan, aten.log_sigmoid,
+]
+
+
+@rule(*_POINTWISE_OPS)
+def elementwise(an: Analysis, node: torch.fx.Node) -> object:
+    packet = getattr(node.target, "overloadpacket", node.target)
+    if packet in (aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.fill):
+        return None  # a fresh tensor: it carries no features (a sharded shape is fine)
+    return pointwise(an, node)
+
+
+POINTWISE_RULES = [elementwise]

@@ -1,0 +1,117 @@
+"""Reduction and normalization rules: reducing over features ties them together.
+
+``softmax`` over a head's keys, ``mean(x**2)`` of an RMSNorm over ``head_dim`` (Qwen3's
+``q_norm``), a LayerNorm over the hidden size: every feature reduced over must sit on one
+rank.  A norm over the full hidden size therefore fuses a whole region into one unit and
+keeps it replicated — exactly the case where tensor parallelism cannot apply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tpcompile.analysis.propagate import Analysis, rule
+from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial
+
+__all__ = ["REDUCE_RULES"]
+
+aten = torch.ops.aten
+
+_LINEAR_REDUCTIONS = {aten.sum, aten.mean}
+
+
+def _dims(arg: object, nd: int) -> list[int]:
+    if arg is None:
+        return list(range(nd))
+    if isinstance(arg, int):
+        return [arg % nd]
+    dims = list(arg)
+    return [d % nd for d in dims] if dims else list(range(nd))
+
+
+@rule(
+    aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.argmax,
+    aten.argmin, aten.var, aten.std, aten.logsumexp, aten.norm, aten.linalg_vector_norm,
+    aten.prod, aten.any, aten.all, aten.var_mean, aten.topk, aten.sort, aten.cumsum,
+)
+def reduction(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    nd = an.ndim(src)
+    packet = getattr(node.target, "overloadpacket", node.target)
+    if isinstance(v, Partial):
+        if packet in _LINEAR_REDUCTIONS:
+            return v
+        an.reduce_partials(node)
+        return None
+    if not isinstance(v, Feat):
+        return None
+    atoms = an.aligned_to(v.atoms, nd)
+    if packet in (aten.topk, aten.sort, aten.cumsum):
+        if packet is aten.topk:
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        else:
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        an.union_along(atoms, [dim % nd])
+        out = an.feat(np.take(atoms, [0], axis=dim % nd)) if atoms.shape[dim % nd] > 1 else Feat(atoms)
+        return [out, out] if packet is not aten.cumsum else out
+    dims_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if packet in (aten.norm, aten.linalg_vector_norm):
+        dims_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    dims = _dims(dims_arg, nd)
+    reduced = an.union_along(atoms, dims)
+    keepdim = bool(node.kwargs.get("keepdim", False))
+    for a in node.args[2:]:
+        if isinstance(a, bool):
+            keepdim = a
+    out_nd = an.ndim(node)
+    if out_nd < nd and not keepdim:
+        reduced = reduced.reshape([s for d, s in enumerate(reduced.shape) if d not in dims])
+    if packet in (aten.max, aten.min, aten.var_mean) and isinstance(node.meta.get("val"), list | tuple):
+        f = an.feat(reduced)
+        return [f, f]
+    return an.feat(reduced)
+
+
+@rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.special_softmax)
+def softmax(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return None
+    if not isinstance(v, Feat):
+        return None
+    nd = an.ndim(src)
+    atoms = an.aligned_to(v.atoms, nd)
+    an.union_along(atoms, [node.args[1] % nd])
+    return Feat(atoms)
+
+
+@rule(aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm)
+def layer_norm(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    packet = getattr(node.target, "overloadpacket", node.target)
+    multi = packet in (aten.native_layer_norm, aten._fused_rms_norm)
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return [None, None, None] if multi else None
+    if not isinstance(v, Feat):
+        return [None, None, None] if multi else None
+    nd = an.ndim(src)
+    k = len(node.args[1])
+    atoms = an.aligned_to(v.atoms, nd)
+    an.union_along(atoms, list(range(nd - k, nd)))
+    for p in node.args[2:4]:
+        pv = an.val(p)
+        if isinstance(p, torch.fx.Node) and isinstance(pv, ParamRef | type(None)):
+            shape = (1,) * (nd - k) + an.shape(p)
+            operand = pv if isinstance(pv, ParamRef) else p
+            an.aligned.append(Aligned(node, operand, atoms, shape, p in an.tainted))
+    out = Feat(atoms)
+    return [out, None, None] if multi else out
+
+
+REDUCE_RULES = [reduction, softmax, layer_norm]

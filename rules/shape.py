@@ -1,0 +1,256 @@
+"""Shape rules: views, permutations, slicing, splitting and joining.
+
+A view that splits a feature dim into (heads, head_dim) moves the atoms with it; a
+merge back does the reverse.  Merging a *broadcast copy* dim (stride 0, as ``repeat_kv``'s
+``expand`` makes) into a feature dim mints replica atoms: each query head gets its own copy
+of the KV head it shares, which is what lets tp exceed the number of KV heads.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import torch
+
+from tpcompile.analysis.propagate import Analysis, rule
+from tpcompile.analysis.state import Feat, ParamRef, Partial
+
+__all__ = ["SHAPE_RULES"]
+
+aten = torch.ops.aten
+
+
+def _atoms(an: Analysis, arg: object) -> np.ndarray | None:
+    v = an.val(arg)
+    if isinstance(v, Feat):
+        return an.aligned_to(v.atoms, an.ndim(arg))
+    return None
+
+
+@rule(
+    aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy,
+    aten.dropout, aten.lift_fresh_copy, aten.type_as, aten._assert_tensor_metadata,
+    aten.feature_dropout, aten.alpha_dropout, aten.copy,
+)
+def identity(an: Analysis, node: torch.fx.Node) -> object:
+    """Value-preserving ops: the abstract value passes through unchanged."""
+    if node.target is aten._assert_tensor_metadata.default:
+        return None
+    return an.val(node.args[0])
+
+
+@rule(aten.native_dropout)
+def native_dropout(an: Analysis, node: torch.fx.Node) -> object:
+    return [an.val(node.args[0]), None]
+
+
+@rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.view_as, aten.reshape_as)
+def view(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    out_shape = an.shape(node)
+    if isinstance(v, Partial):
+        return v
+    if isinstance(v, ParamRef):
+        return v if an.shape(src) == out_shape else None
+    if not isinstance(v, Feat):
+        return None
+    in_val = an.meta(src)
+    in_shape = an.shape(src)
+    atoms = an.aligned_to(v.atoms, len(in_shape))
+    strides = in_val.stride()
+    for d, (stride, size) in enumerate(zip(strides, in_shape)):
+        if atoms.shape[d] == 1 and size > 1 and stride == 0 and atoms.size > 1:
+            # broadcast copies of features merged into a feature dim: each copy becomes
+            # a replica atom so different ranks may hold the same base feature
+            an.replicated_bases.append(atoms.reshape(-1).copy())
+            atoms = np.concatenate([an.atoms.replicas(atoms) for _ in range(size)], axis=d)
+    full = np.broadcast_to(atoms, in_shape).reshape(out_shape)
+    return an.feat(full)
+
+
+@rule(aten.expand, aten.expand_as, aten.broadcast_to)
+def expand(an: Analysis, node: torch.fx.Node) -> object:
+    v = an.val(node.args[0])
+    nd = an.ndim(node)
+    if isinstance(v, Feat):
+        return Feat(an.aligned_to(v.atoms, nd))
+    if isinstance(v, ParamRef):
+        return ParamRef(v.fqn, (None,) * (nd - len(v.dims)) + v.dims, v.is_buffer)
+    return v if isinstance(v, Partial) else None
+
+
+@rule(aten.permute, aten.transpose, aten.t, aten.swapaxes, aten.movedim, aten.numpy_T)
+def permute(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    nd = an.ndim(src)
+    order = list(range(nd))
+    target = node.target
+    packet = getattr(target, "overloadpacket", target)
+    if packet is aten.permute:
+        order = [d % nd for d in node.args[1]]
+    elif packet in (aten.transpose, aten.swapaxes):
+        a, b = (d % nd for d in node.args[1:3])
+        order[a], order[b] = order[b], order[a]
+    elif packet is aten.movedim:
+        src_d, dst_d = node.args[1] % nd, node.args[2] % nd
+        order.insert(dst_d, order.pop(src_d))
+    else:  # t / numpy_T reverse
+        order = order[::-1]
+    v = an.val(src)
+    if isinstance(v, Feat):
+        return Feat(np.transpose(an.aligned_to(v.atoms, nd), order))
+    if isinstance(v, ParamRef):
+        return ParamRef(v.fqn, tuple(v.dims[d] for d in order), v.is_buffer)
+    return v if isinstance(v, Partial) else None
+
+
+@rule(aten.unsqueeze)
+def unsqueeze(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    d = node.args[1] % (an.ndim(src) + 1)
+    if isinstance(v, Feat):
+        return Feat(np.expand_dims(an.aligned_to(v.atoms, an.ndim(src)), d))
+    if isinstance(v, ParamRef):
+        dims = list(v.dims)
+        dims.insert(d, None)
+        return ParamRef(v.fqn, tuple(dims), v.is_buffer)
+    return v if isinstance(v, Partial) else None
+
+
+@rule(aten.squeeze)
+def squeeze(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    in_shape = an.shape(src)
+    out_nd = an.ndim(node)
+    v = an.val(src)
+    if len(node.args) > 1:
+        dims = node.args[1] if isinstance(node.args[1], list | tuple) else [node.args[1]]
+        drop = {d % len(in_shape) for d in dims if in_shape[d % len(in_shape)] == 1}
+    else:
+        drop = {d for d, s in enumerate(in_shape) if s == 1}
+    keep = [d for d in range(len(in_shape)) if d not in drop]
+    assert len(keep) == out_nd
+    if isinstance(v, Feat):
+        a = an.aligned_to(v.atoms, len(in_shape))
+        return Feat(a.reshape([a.shape[d] for d in keep]))
+    if isinstance(v, ParamRef):
+        return ParamRef(v.fqn, tuple(v.dims[d] for d in keep), v.is_buffer)
+    return v if isinstance(v, Partial) else None
+
+
+@rule(aten.slice)
+def slice_(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v
+    atoms = _atoms(an, src)
+    if atoms is None:
+        return None
+    nd = atoms.ndim
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    if atoms.shape[dim] == 1:
+        return Feat(atoms)
+    size = an.shape(src)[dim]
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
+    step = node.args[4] if len(node.args) > 4 else 1
+    idx = range(*slice(start, end, step).indices(size))
+    return an.feat(np.take(atoms, list(idx), axis=dim))
+
+
+@rule(aten.select)
+def select(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v
+    atoms = _atoms(an, src)
+    if atoms is None:
+        return None
+    dim = node.args[1] % atoms.ndim
+    index = node.args[2] if atoms.shape[dim] > 1 else 0
+    return an.feat(np.take(atoms, index, axis=dim))
+
+
+@rule(aten.split, aten.split_with_sizes, aten.chunk, aten.tensor_split, aten.unbind, aten.unsafe_split)
+def split(an: Analysis, node: torch.fx.Node) -> object:
+    src = node.args[0]
+    v = an.val(src)
+    outs = node.meta.get("val")
+    n_out = len(outs) if isinstance(outs, list | tuple) else 1
+    if isinstance(v, Partial):
+        return [v] * n_out
+    atoms = _atoms(an, src)
+    if atoms is None:
+        return [None] * n_out
+    packet = getattr(node.target, "overloadpacket", node.target)
+    if packet is aten.unbind:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % atoms.ndim
+    else:
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % atoms.ndim
+    result: list[object] = []
+    offset = 0
+    for out in outs:
+        if packet is aten.unbind:
+            piece = np.take(atoms, [offset], axis=dim) if atoms.shape[dim] > 1 else atoms
+            result.append(an.feat(np.squeeze(piece, axis=dim)))
+            offset += 1
+            continue
+        length = int(out.shape[dim])
+        piece = np.take(atoms, range(offset, offset + length), axis=dim) if atoms.shape[dim] > 1 else atoms
+        result.append(an.feat(piece))
+        offset += length
+    return result
+
+
+@rule(operator.getitem)
+def getitem(an: Analysis, node: torch.fx.Node) -> object:
+    v = an.val(node.args[0])
+    if isinstance(v, list | tuple):
+        return v[node.args[1]]
+    return None
+
+
+@rule(aten.cat, aten.concat, aten.concatenate, aten.stack)
+def cat(an: Analysis, node: torch.fx.Node) -> object:
+    tensors = list(node.args[0])
+    nd = an.ndim(node)
+    packet = getattr(node.target, "overloadpacket", node.target)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % nd
+    vals = [an.val(t) for t in tensors]
+    if any(isinstance(v, Partial) for v in vals):
+        if all(isinstance(v, Partial) for v in vals):
+            rows = tuple(r for v in vals for r in v.rows)
+            return Partial(rows)
+        an.reduce_partials(node)
+        return None
+    if not any(isinstance(v, Feat) for v in vals):
+        return None
+    pieces: list[np.ndarray] = []
+    for t, v in zip(tensors, vals):
+        shape = list(an.shape(t))
+        if packet is aten.stack:
+            shape.insert(dim, 1)
+        if isinstance(v, Feat):
+            a = v.atoms
+            if packet is aten.stack:
+                a = np.expand_dims(an.aligned_to(a, nd - 1), dim)
+            a = an.aligned_to(a, nd)
+        else:
+            a = np.full([1] * nd, -1, dtype=np.int64)
+        pieces.append(a)
+    # broadcast every piece to a common shape off the cat dim, full size on it
+    common = [max(p.shape[d] for p in pieces) for d in range(nd)]
+    full: list[np.ndarray] = []
+    for t, p in zip(tensors, pieces):
+        target = list(common)
+        target[dim] = 1 if packet is aten.stack else an.shape(t)[dim]
+        full.append(np.broadcast_to(p, target))
+    return an.feat(np.concatenate(full, axis=dim))
+
+
+SHAPE_RULES = [identity, native_dropout, view, expand, permute, unsqueeze, squeeze, slice_, select, split, getitem, cat]

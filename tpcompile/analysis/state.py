@@ -1,0 +1,111 @@
+"""Abstract values the propagation attaches to graph nodes, and the events it records.
+
+* ``None`` — a replicated value carrying no sharded feature (the residual stream, masks).
+* :class:`Feat` — an activation carrying parameter features: ``atoms`` is an int array
+  broadcastable to the activation's shape (size 1 on dims without features, ``-1`` where a
+  position carries no feature).
+* :class:`ParamRef` — a parameter or buffer, possibly transposed/cast (``dims[i]`` is the
+  parameter dim behind tensor dim ``i``).
+* :class:`Partial` — the output of a row-parallel contraction: a per-rank partial sum that
+  must be all-reduced before any non-linear use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+
+__all__ = [
+    "Aligned",
+    "ColumnUse",
+    "EmbeddingUse",
+    "Feat",
+    "ParamRef",
+    "Partial",
+    "Poison",
+    "ReducePoint",
+    "RowUse",
+]
+
+
+@dataclass
+class Feat:
+    atoms: np.ndarray
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    fqn: str
+    dims: tuple[int | None, ...]
+    is_buffer: bool = False
+
+
+@dataclass(frozen=True)
+class Partial:
+    rows: tuple[int, ...]  # indices into Analysis.rows
+
+
+@dataclass
+class ColumnUse:
+    """A contraction of a replicated activation with a parameter: output features sharded."""
+
+    node: fx.Node
+    fqn: str
+    out_dim: int
+    in_dim: int
+    bias: str | None
+    module: str
+    atoms: np.ndarray  # output-feature atoms
+
+
+@dataclass
+class RowUse:
+    """A contraction over sharded features: the parameter's input dim follows them."""
+
+    node: fx.Node
+    fqn: str
+    in_dim: int
+    bias: str | None
+    module: str
+    atoms: np.ndarray  # input-feature atoms of the parameter
+    reduce_points: list[fx.Node] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingUse:
+    node: fx.Node
+    fqn: str
+    module: str
+    atoms: np.ndarray  # one atom per row (vocabulary entry)
+
+
+@dataclass
+class Aligned:
+    """A value without features combined elementwise with a sharded activation.
+
+    ``operand`` is a :class:`ParamRef` or the node of a replicated activation;
+    ``atoms`` is the sharded side broadcast to the result's rank;
+    ``shape`` is the operand's shape aligned to the result (size 1 = broadcast).
+    """
+
+    node: fx.Node
+    operand: ParamRef | fx.Node
+    atoms: np.ndarray
+    shape: tuple[int, ...]
+    tainted: bool
+
+
+@dataclass
+class Poison:
+    node: fx.Node
+    reason: str
+    atoms: np.ndarray
+    unknown_op: bool = False
+
+
+@dataclass
+class ReducePoint:
+    node: fx.Node
+    rows: tuple[int, ...]
