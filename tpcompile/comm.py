@@ -1,0 +1,229 @@
+"""Differentiable tensor-parallel collectives.
+
+Each collective is a ``torch.autograd.Function`` built on plain ``torch.distributed``
+calls (no DTensor), so it works with any backend that implements the primitives:
+gloo on CPU, nccl on GPU.  With a tensor-parallel group ``G`` of size ``n`` and
+group-local rank ``r``, the forward/backward pairs are the conjugate operators of
+Megatron-LM style tensor parallelism:
+
+==================  ==============================  ==================================
+function            forward                         backward
+==================  ==============================  ==================================
+``copy_to_tp``      ``y = x``                       ``dx = sum_r dy_r``  (all-reduce)
+``reduce_from_tp``  ``y = sum_r x_r`` (all-reduce)  ``dx = dy``
+``gather_from_tp``  ``y = cat(x_0..x_{n-1}, dim)``  ``dx = chunk(dy, n, dim)[r]``
+``scatter_to_tp``   ``y = chunk(x, n, dim)[r]``     ``dx = cat(dy_0..dy_{n-1}, dim)``
+==================  ==============================  ==================================
+
+``copy_to_tp`` is Megatron's "f" (entry of a column-parallel region) and
+``reduce_from_tp`` its "g" (exit of a row-parallel region).  ``all_reduce_grad`` is
+an alias of ``copy_to_tp`` for replicated parameters applied to sharded activations:
+each rank sees only part of the parameter's gradient, and the true gradient is the
+sum over the group.
+
+When the group has a single member every function returns its input unchanged and
+issues no collective, so a model compiled for tp=1 pays nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "all_reduce_grad",
+    "copy_to_tp",
+    "gather_from_tp",
+    "group_rank",
+    "group_size",
+    "reduce_from_tp",
+    "scatter_to_tp",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (``None`` means the default group)."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank *within* ``group`` (not its global rank)."""
+    return dist.get_rank(group)
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    """Map a possibly negative ``dim`` into ``[0, ndim)`` or raise ``ValueError``."""
+    if ndim == 0:
+        raise ValueError("cannot split or concatenate a 0-dim tensor along a dimension")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim} is out of range for a tensor with {ndim} dimensions")
+    return dim % ndim
+
+
+def _all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Return ``sum_r x_r`` in a fresh contiguous buffer.
+
+    The input is never written: autograd may still need it, and gradients handed to
+    ``backward`` can be aliased or expanded (stride-0) views, so reducing in place
+    would corrupt other consumers.
+    """
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def _all_gather_cat(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    """Return ``cat([x_0, ..., x_{n-1}], dim)`` with chunks ordered by group rank.
+
+    All ranks must pass tensors of identical shape and dtype.
+    """
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _check_divisible(x: Tensor, world: int, dim: int) -> int:
+    """Return the chunk length ``x.size(dim) / world`` or raise ``ValueError``."""
+    size = x.shape[dim]
+    if size % world != 0:
+        raise ValueError(
+            f"cannot split dimension {dim} of size {size} into {world} equal chunks "
+            f"(tensor shape {tuple(x.shape)}, tensor-parallel size {world})"
+        )
+    return size // world
+
+
+def _local_chunk(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    """Return this rank's chunk ``x[..., r*k:(r+1)*k, ...]`` with ``k = size(dim) / n``.
+
+    The result is a contiguous copy, not a view, so later in-place ops on it can never
+    reach the (replicated) full tensor.
+    """
+    chunk = _check_divisible(x, group_size(group), dim)
+    piece = x.narrow(dim, group_rank(group) * chunk, chunk)
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward ``y = x``; backward ``dx = sum_r dy_r``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        # A view keeps the identity free of copies (autograd would make one anyway if
+        # ``x`` were returned as-is).  Like any view made inside a custom Function,
+        # it must not be modified in place, nor may ``x`` after this call.
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward ``y = sum_r x_r``; backward ``dx = dy``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward ``y = cat_r(x_r, dim)``; backward ``dx = chunk(dy, n, dim)[r]``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_cat(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _local_chunk(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Forward ``y = chunk(x, n, dim)[r]``; backward ``dx = cat_r(dy_r, dim)``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _local_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _all_gather_cat(grad, ctx.group, ctx.dim), None, None
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def copy_to_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Identity forward, all-reduce(sum) backward (Megatron's "f").
+
+    Use where a replicated activation enters a tensor-parallel region: every rank
+    consumes the same ``x`` but contributes a different partial ``dL/dx``, and the
+    true gradient is ``dL/dx = sum_r dL_r/dx``.
+
+    The result is a zero-copy view of ``x``; autograd forbids in-place changes to it
+    (or to ``x`` while it is alive), so clone first if a consumer mutates it.
+    """
+    if group_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """All-reduce(sum) forward, identity backward (Megatron's "g").
+
+    Use where partial sums leave a row-parallel region: ``y = sum_r x_r`` and, since
+    ``dy/dx_r = I``, each rank receives the replicated upstream gradient unchanged.
+    The input is not modified.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: Tensor, group: ProcessGroup | None, dim: int = -1) -> Tensor:
+    """All-gather forward: ``y = cat([x_0, ..., x_{n-1}], dim)`` in group-rank order.
+
+    Backward keeps this rank's slice of the (replicated) upstream gradient,
+    ``dx_r = dy[..., r*k:(r+1)*k, ...]`` with ``k = x.size(dim)``.  Every rank must
+    pass the same shape.
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, group, _normalize_dim(dim, x.dim()))
+
+
+def scatter_to_tp(x: Tensor, group: ProcessGroup | None, dim: int = -1) -> Tensor:
+    """Split forward: return this rank's contiguous chunk ``chunk(x, n, dim)[r]``.
+
+    Backward all-gathers the per-rank gradients, ``dx = cat([dy_0, ..., dy_{n-1}], dim)``.
+    Raises ``ValueError`` when ``x.size(dim)`` is not divisible by the group size.
+    """
+    if group_size(group) == 1:
+        return x
+    dim = _normalize_dim(dim, x.dim())
+    # Validate eagerly so the error surfaces at the call site, not inside autograd.
+    _check_divisible(x, group_size(group), dim)
+    return _ScatterToTP.apply(x, group, dim)
+
+
+all_reduce_grad = copy_to_tp
+"""Alias of :func:`copy_to_tp` for replicated parameters used on sharded activations:
+identity forward, gradient summed over the tensor-parallel group in backward."""
