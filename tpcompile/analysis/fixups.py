@@ -1,0 +1,149 @@
+"""Hard-coded sizes: module attributes the rewrite must make rank-local.
+
+Modern HF attention reshapes with ``-1`` and needs nothing, but older code bakes global
+sizes into attributes: GPT-2's ``split_size`` and ``Conv1D.nf``, ``num_key_value_groups``
+when KV heads are replicated, Phi-3's ``config.num_attention_heads`` in a slice bound.
+The traced graph holds each such size as a constant in a view / expand / split / slice
+whose output carries sharded features.  Comparing that constant with the local size the
+partition implies gives pairs ``global → local`` per module; an integer attribute of that
+module (or of its ``config``) equal to a global value with one unambiguous local value is
+rewritten.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .propagate import innermost_module
+from .roles import Analyzed
+from .state import Feat
+
+__all__ = ["find_fixups"]
+
+aten = torch.ops.aten
+
+
+class _Local:
+    def __init__(self, a: Analyzed) -> None:
+        self.a = a
+        self.base = a.an.atoms.base_of()
+        self.rank0: dict[int, set[int]] = {}
+        table = a.an.atoms
+        self.block_of: dict[int, tuple[str, int]] = {}
+        for blk in table.blocks:
+            lay = a.layouts.get(blk.key[0])
+            if lay is not None and lay.dim == blk.key[1]:
+                self.rank0[blk.start] = set((lay.index[0][lay.index[0] >= 0] + blk.start).tolist())
+        self.starts = sorted(self.rank0)
+        self.blocks = table.blocks
+
+    def on_rank0(self, atom: int) -> bool:
+        if atom < 0:
+            return True
+        r = int(self.a.part.rank_of_atom[atom])
+        if r >= 0:
+            return r == 0
+        b = int(self.base[atom])
+        for blk in self.blocks:
+            if blk.start <= b < blk.start + blk.size:
+                members = self.rank0.get(blk.start)
+                return True if members is None else b in members
+        return True
+
+    def line(self, v: Feat, nd: int, d: int) -> np.ndarray:
+        atoms = v.atoms.reshape((1,) * (nd - v.atoms.ndim) + v.atoms.shape)
+        return np.moveaxis(atoms, d, 0).reshape(atoms.shape[d], -1)[:, 0]
+
+    def size(self, node: fx.Node, d: int) -> int:
+        v = self.a.an.value.get(node)
+        shape = self.a.an.shape(node)
+        if not isinstance(v, Feat):
+            return shape[d]
+        line = self.line(v, len(shape), d)
+        if line.size == 1:
+            return shape[d]
+        return int(sum(self.on_rank0(int(x)) for x in line))
+
+    def prefix(self, node: fx.Node, d: int, stop: int) -> int:
+        v = self.a.an.value.get(node)
+        line = self.line(v, self.a.an.ndim(node), d)
+        return int(sum(self.on_rank0(int(x)) for x in line[:stop]))
+
+
+def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:
+    an = a.an
+    pairs: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for node in an.graph.nodes:
+        if node.op != "call_function":
+            continue
+        packet = getattr(node.target, "overloadpacket", None)
+        mod = innermost_module(node)
+        out = an.value.get(node)
+        if packet in (aten.view, aten.reshape, aten._unsafe_view, aten.expand) and isinstance(out, Feat):
+            for i, v in enumerate(node.args[1]):
+                if isinstance(v, int) and v > 1:
+                    pairs[mod][v].add(loc.size(node, i))
+            if packet in (aten.view, aten.reshape):
+                _expand_copies(a, loc, node, pairs)
+        elif packet in (aten.split, aten.split_with_sizes) and isinstance(an.value.get(node.args[0]), Feat):
+            src = node.args[0]
+            dim = (node.args[2] if len(node.args) > 2 else 0) % an.ndim(src)
+            sizes = node.args[1] if isinstance(node.args[1], list | tuple) else [node.args[1]]
+            users = sorted((u for u in node.users), key=lambda u: u.args[1])
+            for s, u in zip(sizes, users):
+                pairs[mod][int(s)].add(loc.size(u, dim))
+        elif packet is aten.slice and isinstance(an.value.get(node.args[0]), Feat):
+            src = node.args[0]
+            dim = node.args[1] % an.ndim(src)
+            size = an.shape(src)[dim]
+            for bound in node.args[2:4]:
+                if isinstance(bound, int) and 1 < bound < size:
+                    pairs[mod][bound].add(loc.prefix(src, dim, bound))
+    return pairs
+
+
+def _expand_copies(a: Analyzed, loc: _Local, node: fx.Node, pairs: dict) -> None:
+    """``repeat_kv``: the local copy count of an expand merged into the head dim."""
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or getattr(src.target, "overloadpacket", None) is not aten.expand:
+        return
+    in_shape = a.an.shape(src)
+    strides = a.an.meta(src).stride()
+    copy_dims = [d for d, (s, n) in enumerate(zip(strides, in_shape)) if s == 0 and n > 1]
+    if len(copy_dims) != 1:
+        return
+    d = copy_dims[0]
+    out_local = int(np.prod([loc.size(node, i) for i in range(a.an.ndim(node))]))
+    other = int(np.prod([loc.size(src, i) for i in range(len(in_shape)) if i != d]))
+    if other and out_local % other == 0:
+        pairs[innermost_module(src)][in_shape[d]].add(out_local // other)
+
+
+def find_fixups(a: Analyzed, model: nn.Module) -> dict[str, dict[str, list[int]]]:
+    """``{module fqn: {attr or "config.attr": [global, local]}}`` (representative FQNs)."""
+    loc = _Local(a)
+    mods = dict(model.named_modules())
+    result: dict[str, dict[str, list[int]]] = {}
+    for mod_name, values in _pairs(a, loc).items():
+        module = mods.get(mod_name)
+        if module is None:
+            continue
+        changes: dict[str, list[int]] = {}
+        candidates = [(k, v) for k, v in vars(module).items() if type(v) is int]
+        config = getattr(module, "config", None)
+        if config is not None:
+            candidates += [(f"config.{k}", v) for k, v in vars(config).items() if type(v) is int]
+        for attr, value in candidates:
+            locals_ = values.get(value)
+            if locals_ and len(locals_) == 1:
+                local = next(iter(locals_))
+                if local != value:
+                    changes[attr] = [value, local]
+        if changes:
+            result[mod_name] = changes
+    return result

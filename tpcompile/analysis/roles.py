@@ -1,0 +1,223 @@
+"""From a converged partition to roles: the analysis driver.
+
+``analyze`` runs propagation + partition to a fixed point: a region that cannot be split
+(one indivisible unit, a poisoned op, a replicated activation that would need slicing,
+a partial sum reduced inside its own module) is forced replicated and the graph is
+propagated again, until nothing changes.  Then every parameter gets its role.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+
+from ..errors import TPError
+from .partition import BlockLayout, Partition, partition
+from .propagate import Analysis, RuleSet, module_path
+from .state import ParamRef
+
+__all__ = ["Analyzed", "analyze"]
+
+
+@dataclass
+class Analyzed:
+    an: Analysis
+    part: Partition
+    layouts: dict[str, BlockLayout]  # fqn -> its one sharded dim
+    column: dict[str, str]  # fqn -> module running the op
+    row: dict[str, tuple[str, str | None]]  # fqn -> (module, bias fqn)
+    embedding: dict[str, str]
+    lm_head: dict[str, str]
+    grad_allreduce: set[str] = field(default_factory=set)
+    forced: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+    passes: int = 0
+
+
+def _match(key: str, fqn: str) -> bool:
+    if key.startswith("re:"):
+        return re.fullmatch(key[3:], fqn) is not None
+    return key == fqn
+
+
+def _region_fqns(part: Partition, an: Analysis, atoms: np.ndarray) -> set[str]:
+    """Parameters of every region the given atoms belong to (for forcing replication)."""
+    atoms = atoms[atoms >= 0]
+    if atoms.size == 0:
+        return set()
+    base = an.atoms.base_of()
+    label = part.label
+    hit_classes = set(np.unique(label[atoms]).tolist()) | set(np.unique(label[base[atoms]]).tolist())
+    fqns: set[str] = set()
+    for blk in an.atoms.blocks:
+        ids = np.arange(blk.start, blk.start + blk.size)
+        if hit_classes.intersection(np.unique(label[ids]).tolist()):
+            fqns.add(blk.key[0])
+    return fqns
+
+
+def _rank0_mask(part: Partition, atoms: np.ndarray) -> np.ndarray:
+    r = part.rank_of_atom[np.clip(atoms, 0, None)]
+    return np.where(atoms < 0, -1, r)
+
+
+def _varies(ranks: np.ndarray, d: int) -> bool:
+    if ranks.shape[d] <= 1:
+        return False
+    ref = np.take(ranks, [0], axis=d)
+    both = (ranks >= 0) & (ref >= 0)
+    return bool((both & (ranks != ref)).any())
+
+
+def _aligned_checks(a: Analyzed, strict: bool) -> set[str]:
+    """Resolve elementwise meetings of unsharded values with sharded features."""
+    force: set[str] = set()
+    an, part = a.an, a.part
+    for ev in an.aligned:
+        ranks = _rank0_mask(part, ev.atoms)
+        nd = ranks.ndim
+        shape = (1,) * (nd - len(ev.shape)) + tuple(ev.shape)
+        split_dims = [d for d in range(nd) if _varies(ranks, d)]
+        if not split_dims:
+            continue
+        sliced = [d for d in split_dims if shape[d] > 1]
+        shared = [d for d in split_dims if shape[d] == 1]
+        if isinstance(ev.operand, ParamRef):
+            ref = ev.operand
+            offset = nd - len(ref.dims)
+            for d in sliced:
+                pd = ref.dims[d - offset] if d - offset >= 0 else None
+                lay = _slice_layout(ref.fqn, pd, ranks, d, part.tp)
+                if lay is None:
+                    force |= _region_fqns(part, an, ev.atoms.reshape(-1))
+                    continue
+                prev = a.layouts.get(ref.fqn)
+                if prev is not None and (prev.dim != lay.dim or not np.array_equal(prev.index, lay.index)):
+                    force |= _region_fqns(part, an, ev.atoms.reshape(-1))
+                    continue
+                a.layouts[ref.fqn] = lay
+            if shared and not ref.is_buffer and not sliced:
+                a.grad_allreduce.add(ref.fqn)
+            continue
+        node: fx.Node = ev.operand
+        if sliced or (shared and ev.tainted):
+            what = "would need slicing" if sliced else "has a gradient the local features each add to"
+            a.notes.append(
+                f"activation {node.name} ({module_path(ev.node)[-1:] or ['<root>']}) {what}; "
+                "kept the region replicated"
+            )
+            force |= _region_fqns(part, an, ev.atoms.reshape(-1))
+    return force
+
+
+def _slice_layout(fqn: str, pd: int | None, ranks: np.ndarray, d: int, tp: int) -> BlockLayout | None:
+    if pd is None:
+        return None
+    line = np.moveaxis(ranks, d, 0).reshape(ranks.shape[d], -1)[:, 0]
+    index = [np.nonzero(line == r)[0] for r in range(tp)]
+    if len({len(i) for i in index}) != 1:
+        return None
+    return BlockLayout(fqn, pd, int(line.size), np.stack(index))
+
+
+def _reduce_checks(an: Analysis, part: Partition) -> set[str]:
+    """A partial sum must leave the module that computed it before it is reduced."""
+    force: set[str] = set()
+    for rp in an.reduce_points:
+        path = module_path(rp.node) if rp.node.op != "output" else []
+        for ri in rp.rows:
+            row = an.rows[ri]
+            if (row.fqn, row.in_dim) in part.layouts and row.module in path:
+                force |= _region_fqns(part, an, row.atoms)
+    return force
+
+
+def analyze(
+    graph: fx.Graph,
+    rules: RuleSet,
+    tp: int,
+    *,
+    param_of_placeholder: dict[str, str],
+    buffer_of_placeholder: dict[str, str],
+    strict: bool = True,
+    overrides: dict[str, str] | None = None,
+    max_passes: int = 8,
+) -> Analyzed:
+    """Propagate and partition until stable; see module docstring."""
+    all_params = set(param_of_placeholder.values())
+    forced = {f for f in all_params for k, v in (overrides or {}).items() if v == "replicated" and _match(k, f)}
+    notes: list[str] = []
+    for n_pass in range(1, max_passes + 1):
+        an = Analysis(
+            graph, rules, param_of_placeholder=param_of_placeholder,
+            buffer_of_placeholder=buffer_of_placeholder, forced_replicated=set(forced),
+        ).run()
+        part = partition(an, tp)
+        new: set[str] = set()
+        for p in an.poison:
+            if p.unknown_op and strict:
+                raise TPError(
+                    f"{p.reason}. Add a rule for it (transform(..., rules=[...])), force the "
+                    "region replicated with overrides={'<param fqn>': 'replicated'}, or pass "
+                    "strict=False to replicate it with a warning."
+                )
+            notes.append(p.reason)
+            new |= _region_fqns(part, an, p.atoms)
+        for f in part.failures:
+            fqns = {k[0] for k in f.blocks}
+            if not f.single_unit:
+                msg = (
+                    f"cannot split {', '.join(sorted(fqns))} over tp={tp}: {f.reason}. "
+                    f"tp values that work for it: {f.valid_tp}"
+                )
+                if strict:
+                    raise TPError(msg)
+                notes.append(msg + " (kept replicated)")
+            new |= fqns
+        outputs = np.concatenate([o.reshape(-1) for o in an.outputs]) if an.outputs else np.zeros(0, np.int64)
+        out_set = set(np.unique(outputs[outputs >= 0]).tolist())
+        vocab_sizes = {int(c.atoms.size) for c in an.columns if int(c.atoms[0]) in out_set}
+        for e in an.embeddings:
+            tied = any(c.fqn == e.fqn for c in an.columns)
+            if not tied and e.atoms.size not in vocab_sizes and e.atoms.size < 16384:
+                new.add(e.fqn)  # position / token-type tables: small, keep replicated
+        a = Analyzed(an, part, {}, {}, {}, {}, {}, forced=forced, notes=notes, passes=n_pass)
+        for key, lay in part.layouts.items():
+            if key[0] in forced or key[0] in new:
+                continue
+            a.layouts[key[0]] = lay
+        new |= _aligned_checks(a, strict)
+        new |= _reduce_checks(an, part)
+        new -= forced
+        if not new:
+            _assign(a, outputs)
+            return a
+        forced |= new
+    raise TPError(f"analysis did not converge in {max_passes} passes (forced: {sorted(forced)})")
+
+
+def _assign(a: Analyzed, outputs: np.ndarray) -> None:
+    an = a.an
+    out_atoms = set(np.unique(outputs[outputs >= 0]).tolist())
+    for c in an.columns:
+        if c.fqn in a.layouts and a.layouts[c.fqn].dim == c.out_dim:
+            if out_atoms and int(c.atoms[0]) in out_atoms:
+                a.lm_head[c.fqn] = c.module
+            else:
+                a.column[c.fqn] = c.module
+    for r in an.rows:
+        if r.fqn in a.layouts and a.layouts[r.fqn].dim == r.in_dim:
+            a.row[r.fqn] = (r.module, r.bias)
+    for e in an.embeddings:
+        if e.fqn in a.layouts:
+            a.embedding[e.fqn] = e.module
+    for fqn in list(a.grad_allreduce):
+        if fqn in a.layouts:
+            a.grad_allreduce.discard(fqn)
+    for n in a.notes:
+        warnings.warn(f"tpcompile: {n}", stacklevel=3)
+

@@ -1,0 +1,182 @@
+"""The front door: ``transform`` and ``plan_model``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .analysis.fixups import find_fixups
+from .analysis.propagate import Rule, RuleSet
+from .analysis.roles import analyze
+from .capture import capture
+from .errors import TPError
+from .plan import Plan
+from .rewrite import apply_plan, build_plan
+
+__all__ = ["plan_model", "transform"]
+
+_BACKENDS = ("auto", "torch", "te")
+
+
+def _ruleset(rules: Iterable[Rule] | None) -> RuleSet:
+    from tpcompile.rules import default_rules
+
+    return RuleSet().add(default_rules()).add(rules or [])
+
+
+def plan_model(
+    model: nn.Module,
+    tp: int,
+    *,
+    loss_parallel: bool = False,
+    rules: Iterable[Rule] | None = None,
+    overrides: dict[str, str] | None = None,
+    strict: bool = True,
+    example_args: tuple | None = None,
+    example_kwargs: dict | None = None,
+) -> Plan:
+    """Decide how to split ``model`` over ``tp`` ranks, without touching it.
+
+    Needs no process group and no weights: build the model on the meta device to plan a
+    405B model on a laptop.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = AutoModelForCausalLM.from_config(cfg)      # doctest: +SKIP
+        >>> plan = plan_model(model, tp=8)
+        >>> plan.params["lm_head.weight"].role.value
+        'lm_head'
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise TPError(f"tp must be a positive integer, got {tp!r}")
+    t0 = time.perf_counter()
+    cap = capture(model, example_args=example_args, example_kwargs=example_kwargs)
+    t1 = time.perf_counter()
+    a = analyze(
+        cap.graph, _ruleset(rules), tp,
+        param_of_placeholder=cap.param_of_placeholder,
+        buffer_of_placeholder=cap.buffer_of_placeholder,
+        strict=strict, overrides=overrides,
+    )
+    fixups = find_fixups(a, model) if tp > 1 else {}
+    plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
+    _check_overrides(plan, overrides)
+    plan.stats = {
+        "capture_s": round(t1 - t0, 4),
+        "analysis_s": round(time.perf_counter() - t1, 4),
+        "analysis_passes": a.passes,
+        "traced_blocks": cap.stacks.traced_len,
+    }
+    return plan
+
+
+def _check_overrides(plan: Plan, overrides: dict[str, str] | None) -> None:
+    from .analysis.roles import _match
+
+    for key, role in (overrides or {}).items():
+        hits = [f for f in plan.params if _match(key, f)]
+        if not hits:
+            raise TPError(f"override {key!r} matches no parameter; keys are parameter FQNs or 're:<regex>'")
+        if role == "replicated":
+            continue
+        wrong = [f for f in hits if plan.params[f].role.value != role]
+        if wrong:
+            raise TPError(
+                f"override {key!r} -> {role!r} contradicts the dataflow for {wrong[:3]} "
+                f"(found {plan.params[wrong[0]].role.value!r}); only 'replicated' can be forced"
+            )
+
+
+def _resolve_mesh(model: nn.Module, tp: int, mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise TPError(f"mesh must be a 1-D tensor-parallel DeviceMesh, got {mesh.ndim}-D; pass mesh['tp']")
+        if mesh.size() != tp:
+            raise TPError(f"mesh has {mesh.size()} ranks but tp={tp}; pass tp={mesh.size()}")
+        return mesh
+    if not dist.is_available() or not dist.is_initialized():
+        raise TPError(
+            "tpcompile.transform needs an initialized process group: launch with torchrun and "
+            "call torch.distributed.init_process_group() first, or pass mesh=<1-D DeviceMesh>"
+        )
+    world = dist.get_world_size()
+    if world % tp != 0:
+        ok = [t for t in range(1, world + 1) if world % t == 0]
+        raise TPError(f"world size {world} is not divisible by tp={tp}; tp values that work: {ok}")
+    try:
+        device = next(model.parameters()).device.type
+    except StopIteration:
+        device = "cpu"
+    device = "cuda" if device == "cuda" else os.environ.get("TPCOMPILE_DEVICE", "cpu")
+    full = init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return full["tp"]
+
+
+def _backend(name: str, mesh: DeviceMesh) -> Any:
+    if name not in _BACKENDS:
+        raise TPError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    if name == "te":
+        from .backends.te_backend import TEBackend
+
+        return TEBackend(mesh)
+    from .backends.torch_backend import TorchBackend
+
+    return TorchBackend(mesh)
+
+
+def transform(
+    model: nn.Module,
+    tp: int,
+    *,
+    mesh: DeviceMesh | None = None,
+    backend: str = "auto",
+    loss_parallel: bool = False,
+    rules: Iterable[Rule] | None = None,
+    overrides: dict[str, str] | None = None,
+    strict: bool = True,
+) -> nn.Module:
+    """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
+
+    The model is traced with ``torch.export`` (no weights copied), every module's role is
+    read off the dataflow, parameters are sharded as DTensors and collectives are hooked
+    around the modules. The result is a drop-in: same forward signature, outputs, loss,
+    ``generate()`` and gradients.
+
+    Args:
+        model: a Hugging Face (or any token-in) model, on CPU, GPU or meta.
+        tp: tensor-parallel degree; the world size must be a multiple of it.
+        mesh: a 1-D TP ``DeviceMesh``; default: the ``tp`` dim of a (dp, tp) mesh over
+            the default process group.
+        backend: ``"auto"`` / ``"torch"`` (DTensor, everywhere) or ``"te"`` (Transformer
+            Engine, GPU).
+        loss_parallel: keep logits vocab-sharded and compute the LM loss with a
+            vocab-parallel cross-entropy (no full-logit gather).
+        rules: extra propagation rules (see ``tpcompile.rules``).
+        overrides: ``{fqn or "re:<regex>": "replicated"}`` to keep parameters replicated.
+        strict: raise on ops no rule can place; ``False`` replicates them with a warning.
+
+    Example:
+        >>> dist.init_process_group("gloo")                       # doctest: +SKIP
+        >>> model = tpcompile.transform(AutoModelForCausalLM.from_config(cfg), tp=2)
+        >>> model.tpcompile_plan.params["lm_head.weight"].role.value
+        'lm_head'
+    """
+    if backend not in _BACKENDS:
+        raise TPError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    tp_mesh = _resolve_mesh(model, tp, mesh)
+    be = _backend(backend, tp_mesh)
+    plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides, strict=strict)
+    apply_plan(model, plan, be)
+    if loss_parallel:
+        from .loss_patch import install_loss_parallel
+
+        install_loss_parallel(model, plan, be)
+    model.tpcompile_mesh = tp_mesh
+    return model
+

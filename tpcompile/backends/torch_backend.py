@@ -1,0 +1,152 @@
+"""The pure-PyTorch backend: DTensor parameters, local compute, explicit collectives.
+
+The model's own ``forward`` code runs unchanged.  Parallelism is wrapped around modules
+from outside with hooks:
+
+* every sharded parameter is stored as a ``DTensor`` (``Shard(dim)`` of its tpcompile
+  layout over the TP mesh), so ``state_dict``, optimizers, gradient clipping and FSDP2
+  see global shapes; during the owning module's forward it is swapped for its local
+  shard (``to_local`` is differentiable, so gradients land on the DTensor);
+* column-parallel modules see their inputs through ``copy_to_tp`` (identity forward,
+  all-reduce of the input gradient backward): ``Y_r = X · W_r``;
+* row-parallel modules all-reduce their partial output, ``Y = Σ_r X_r · W_r``, and add
+  their bias once, after the reduce;
+* a vocab-parallel embedding looks up only ids in its row range (others read row 0 and
+  are zeroed), then all-reduces;
+* the LM head all-gathers its vocab-sharded logits (or keeps them sharded for the
+  loss-parallel cross-entropy);
+* a replicated parameter applied to sharded features (Qwen3's ``q_norm``) is used through
+  ``all_reduce_grad`` so its gradient sums every rank's heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import comm
+from ..plan import ModulePlan, ParamPlan
+
+__all__ = ["TorchBackend"]
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+class TorchBackend:
+    """Applies a :class:`~tpcompile.plan.Plan` with DTensor parameters and hooks."""
+
+    name = "torch"
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.tp = mesh.size()
+
+    # ---- parameters ---------------------------------------------------------------
+    def local_shard(self, full: torch.Tensor, plan: ParamPlan, rank: int | None = None) -> torch.Tensor:
+        """This rank's shard of a full (HF-layout) tensor, per the plan's index map."""
+        rank = self.rank if rank is None else rank
+        index = torch.as_tensor(plan.index()[rank], device=full.device)
+        pad = index < 0
+        local = full.index_select(plan.shard_dim, index.clamp(min=0))
+        if bool(pad.any()) and full.device.type != "meta":
+            shape = [1] * local.dim()
+            shape[plan.shard_dim] = -1
+            local = local.masked_fill(pad.view(shape), 0)
+        return local.contiguous()
+
+    def make_param(self, local: torch.Tensor, plan: ParamPlan, requires_grad: bool) -> nn.Parameter:
+        global_shape = list(local.shape)
+        global_shape[plan.shard_dim] *= self.tp
+        dt = DTensor.from_local(
+            local, self.mesh, [Shard(plan.shard_dim)], run_check=False,
+            shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+        )
+        return nn.Parameter(dt, requires_grad=requires_grad)
+
+    # ---- hooks --------------------------------------------------------------------
+    def install(self, module: nn.Module, mplan: ModulePlan, swaps: list[str], vocab_range: tuple[int, int] | None) -> None:
+        group = self.group
+        grad_names = set(mplan.grad_allreduce)
+        row_biases = [b.rsplit(".", 1)[-1] for b in mplan.row_biases]
+        state: dict[str, Any] = {}
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            saved: dict[str, Any] = {}
+            for name in swaps:
+                p = mod._parameters[name]
+                saved[name] = p
+                mod._parameters[name] = p.to_local() if isinstance(p, DTensor) else p
+            for name in grad_names:
+                p = mod._parameters[name]
+                saved.setdefault(name, p)
+                mod._parameters[name] = comm.all_reduce_grad(mod._parameters[name], group)
+            for name in row_biases:
+                p = mod._parameters[name]
+                saved.setdefault(name, p)
+                # the bias is added once, after the all-reduce (post hook)
+                mod._parameters[name] = torch.zeros_like(p.to_local() if isinstance(p, DTensor) else p)
+            state["saved"] = saved
+            if mplan.copy_inputs:
+                def copy(t: torch.Tensor) -> torch.Tensor:
+                    return comm.copy_to_tp(t, group) if t.is_floating_point() else t
+                args, kwargs = _map_tensors(args, copy), _map_tensors(kwargs, copy)
+            if vocab_range is not None:
+                start, end = vocab_range
+                ids = args[0] if args else kwargs["input"]
+                mask = (ids < start) | (ids >= end)
+                local_ids = (ids - start).masked_fill(mask, 0)
+                state["mask"] = mask
+                if args:
+                    args = (local_ids, *args[1:])
+                else:
+                    kwargs = {**kwargs, "input": local_ids}
+            return args, kwargs
+
+        def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            saved = state.pop("saved", {})
+            for name, p in saved.items():
+                mod._parameters[name] = p
+            if vocab_range is not None:
+                mask = state.pop("mask")
+                out = out.masked_fill(mask.unsqueeze(-1), 0)
+                return comm.reduce_from_tp(out, group)
+            if mplan.reduce_output:
+                def reduce(t: torch.Tensor) -> torch.Tensor:
+                    return comm.reduce_from_tp(t, group) if t.is_floating_point() else t
+                out = _map_tensors(out, reduce)
+                for name in row_biases:
+                    bias = saved[name]
+                    out = out + (bias.to_local() if isinstance(bias, DTensor) else bias)
+            if mplan.gather_output:
+                def gather(t: torch.Tensor) -> torch.Tensor:
+                    full = comm.gather_from_tp(t, group, dim=-1)
+                    return full[..., : mplan.vocab_size] if mplan.vocab_size else full
+                out = _map_tensors(out, gather)
+            return out
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True)
+
+
+def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return tuple(stride)

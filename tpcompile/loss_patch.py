@@ -1,0 +1,50 @@
+"""Loss-parallel wiring: the model's own loss call runs the vocab-parallel cross-entropy.
+
+Hugging Face causal-LM heads compute their loss with ``self.loss_function(logits,
+labels, vocab_size, ...)``.  With ``loss_parallel=True`` the LM head keeps its logits
+vocab-sharded, so tpcompile points ``loss_function`` at
+:func:`~tpcompile.loss.loss_parallel_causal_lm_loss`, which never gathers the full
+logits: one all-reduce MAX and one all-reduce SUM of ``[tokens]``-sized tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import TPError
+from .loss import loss_parallel_causal_lm_loss
+from .plan import Plan, Role
+
+__all__ = ["install_loss_parallel"]
+
+
+def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
+    heads = [p for p in plan.params.values() if p.role is Role.LM_HEAD]
+    if not heads:
+        raise TPError("loss_parallel=True needs a vocab-sharded LM head, and the analysis found none")
+    if not hasattr(type(model), "loss_function"):
+        raise TPError(
+            f"loss_parallel=True: {type(model).__name__} has no `loss_function` to route the loss "
+            "through; compute the loss with tpcompile.loss.vocab_parallel_cross_entropy yourself"
+        )
+    head = heads[0]
+    runs = head.runs[backend.rank]
+    vocab_start = runs[0][0]
+    vocab_size = head.global_shape[head.shard_dim]
+    group = backend.group
+
+    def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size_arg: int | None = None,
+                      num_items_in_batch: Any = None, ignore_index: int = -100,
+                      shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        return loss_parallel_causal_lm_loss(
+            logits, labels, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+            ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
+        )
+
+    def adapter(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+        return loss_function(logits, labels, vocab_size, **kwargs)
+
+    model.loss_function = adapter

@@ -1,0 +1,142 @@
+"""The plan: what tpcompile decided, as plain data.
+
+A :class:`Plan` says, for every parameter, its role and how its global (Hugging Face)
+tensor maps to each rank's shard, and for every module, which collectives wrap it.
+``dump-plan`` prints exactly this object; ``Plan.to_json`` / ``Plan.from_json`` round
+trip it; ``transform(..., overrides=...)`` uses the same keys (parameter FQNs, or
+``"re:<regex>"``) to force a role.
+
+Index maps are stored as runs: rank ``r`` holds the global rows
+``concat(range(a, b) for a, b in runs[r])`` of the sharded dim (``-1`` padding runs are
+written ``[-1, n]``: ``n`` zero rows).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PLAN_VERSION", "ModulePlan", "ParamPlan", "Plan", "Role", "runs_to_index", "index_to_runs"]
+
+PLAN_VERSION = 1
+
+
+class Role(str, enum.Enum):
+    """What a parameter does under tensor parallelism."""
+
+    COLUMN = "column"  # output features split: Y_r = X W_r
+    ROW = "row"  # input features split: Y = sum_r X_r W_r (all-reduce)
+    VOCAB_EMBEDDING = "vocab_embedding"  # rows split, masked lookup + all-reduce
+    LM_HEAD = "lm_head"  # column over the vocabulary; logits gathered or loss-parallel
+    SHARDED = "sharded"  # a bias / per-head parameter split like the features it meets
+    GRAD_ALLREDUCE = "replicated_grad_allreduce"  # replicated, applied to sharded features
+    REPLICATED = "replicated"
+
+
+def index_to_runs(index: np.ndarray) -> list[list[list[int]]]:
+    """``(tp, local)`` index array → per-rank runs ``[[start, stop], ...]``."""
+    out: list[list[list[int]]] = []
+    for row in np.asarray(index):
+        runs: list[list[int]] = []
+        for v in row.tolist():
+            if v < 0:
+                if runs and runs[-1][0] == -1:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([-1, 1])
+            elif runs and runs[-1][0] >= 0 and runs[-1][1] == v:
+                runs[-1][1] = v + 1
+            else:
+                runs.append([v, v + 1])
+        out.append(runs)
+    return out
+
+
+def runs_to_index(runs: list[list[list[int]]]) -> np.ndarray:
+    rows = []
+    for rank_runs in runs:
+        parts = [np.full(b, -1) if a == -1 else np.arange(a, b) for a, b in rank_runs]
+        rows.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    return np.stack(rows).astype(np.int64)
+
+
+@dataclass(kw_only=True)
+class ParamPlan:
+    """One parameter's role and layout (``shard_dim`` is ``None`` unless split)."""
+
+    fqn: str
+    role: Role
+    module: str
+    global_shape: list[int]
+    local_shape: list[int]
+    shard_dim: int | None = None
+    layout: str = "replicated"  # contiguous | fused | kv_replicated | padded | replicated
+    runs: list[list[list[int]]] | None = None
+    tied_to: list[str] = field(default_factory=list)
+
+    def index(self) -> np.ndarray | None:
+        return None if self.runs is None else runs_to_index(self.runs)
+
+
+@dataclass(kw_only=True)
+class ModulePlan:
+    """Collectives around one module's forward."""
+
+    fqn: str
+    copy_inputs: bool = False  # identity forward, all-reduce of input grads backward
+    reduce_output: bool = False  # all-reduce of the partial-sum output
+    gather_output: bool = False  # all-gather of vocab-sharded logits
+    vocab_parallel: bool = False  # masked embedding lookup
+    vocab_size: int | None = None  # real (unpadded) rows, for masking/unpadding
+    row_biases: list[str] = field(default_factory=list)  # added once, after the reduce
+    grad_allreduce: list[str] = field(default_factory=list)
+    attr_fixups: dict[str, list[int]] = field(default_factory=dict)  # attr -> [global, local]
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """Everything ``transform`` decided for one model at one ``tp``.
+
+    Example:
+        >>> plan = tpcompile.plan_model(model, tp=8)             # doctest: +SKIP
+        >>> plan.params["model.layers.0.self_attn.q_proj.weight"].role
+        <Role.COLUMN: 'column'>
+    """
+
+    tp: int
+    model_class: str = ""
+    params: dict[str, ParamPlan] = field(default_factory=dict)
+    modules: dict[str, ModulePlan] = field(default_factory=dict)
+    loss_parallel: bool = False
+    warnings: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    def roles(self) -> dict[str, str]:
+        return {k: v.role.value for k, v in self.params.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for p in d["params"].values():
+            p["role"] = Role(p["role"]).value
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
+        params = {k: ParamPlan(**{**v, "role": Role(v["role"])}) for k, v in d["params"].items()}
+        modules = {k: ModulePlan(**v) for k, v in d["modules"].items()}
+        rest = {k: v for k, v in d.items() if k not in ("params", "modules")}
+        return cls(params=params, modules=modules, **rest)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))

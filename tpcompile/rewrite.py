@@ -1,0 +1,185 @@
+"""Rewrite: turn the analysis into a :class:`Plan` and apply it to the model in place.
+
+``build_plan`` expands the analysed representative blocks to every block of the same
+structure and records, per parameter, role and index map, and per module, its
+collectives and attribute fix-ups.  ``apply_plan`` shards each parameter (never holding
+more than one full tensor at a time), installs the backend's hooks, fixes hard-coded
+sizes and returns the model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .analysis.roles import Analyzed
+from .capture import Capture
+from .plan import ModulePlan, ParamPlan, Plan, Role, index_to_runs
+
+__all__ = ["apply_plan", "build_plan"]
+
+
+def _owner(fqn: str) -> tuple[str, str]:
+    mod, _, name = fqn.rpartition(".")
+    return mod, name
+
+
+def _layout_kind(index: np.ndarray, size: int) -> str:
+    tp, local = index.shape
+    flat = index.reshape(-1)
+    if (flat < 0).any():
+        return "padded"
+    if np.unique(flat).size < flat.size:
+        return "kv_replicated"
+    if np.array_equal(flat, np.arange(size)):
+        return "contiguous"
+    return "fused"
+
+
+def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bool = False,
+               fixups: dict[str, dict[str, list[int]]] | None = None) -> Plan:
+    tp = a.part.tp
+    plan = Plan(tp=tp, model_class=type(model).__name__, loss_parallel=loss_parallel, warnings=list(a.notes))
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of[id(p)].append(name)
+    modules: dict[str, ModulePlan] = {}
+
+    def mod_plan(fqn: str) -> ModulePlan:
+        return modules.setdefault(fqn, ModulePlan(fqn=fqn))
+
+    rep_modules: dict[str, dict[str, Any]] = defaultdict(dict)
+    for fqn, m in a.column.items():
+        rep_modules[m]["copy_inputs"] = True
+    for fqn, m in a.lm_head.items():
+        rep_modules[m]["copy_inputs"] = True
+        rep_modules[m]["gather_output"] = not loss_parallel
+        rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+    for fqn, (m, bias) in a.row.items():
+        rep_modules[m]["reduce_output"] = True
+        if bias is not None:
+            rep_modules[m].setdefault("row_biases", []).append(bias)
+    for fqn, m in a.embedding.items():
+        rep_modules[m]["vocab_parallel"] = True
+        rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+
+    for name, p in model.named_parameters():
+        rep = cap.stacks.representative(name)
+        aliases = [n for n in names_of[id(p)] if n != name]
+        rep_alias = next((cap.stacks.representative(n) for n in aliases if cap.stacks.representative(n) in a.layouts), None)
+        key = rep if rep in a.layouts or rep in a.grad_allreduce else (rep_alias or rep)
+        lay = a.layouts.get(key)
+        owner, _ = _owner(name)
+        if lay is None:
+            role = Role.GRAD_ALLREDUCE if key in a.grad_allreduce else Role.REPLICATED
+            plan.params[name] = ParamPlan(fqn=name, role=role, module=owner, global_shape=list(p.shape),
+                                          local_shape=list(p.shape), tied_to=aliases)
+            if role is Role.GRAD_ALLREDUCE:
+                for n in [name, *aliases]:
+                    mo, pn = _owner(n)
+                    mod_plan(mo).grad_allreduce.append(pn)
+            continue
+        role = (Role.LM_HEAD if key in a.lm_head else Role.COLUMN if key in a.column else Role.ROW
+                if key in a.row else Role.VOCAB_EMBEDDING if key in a.embedding else Role.SHARDED)
+        local = list(p.shape)
+        local[lay.dim] = lay.local
+        plan.params[name] = ParamPlan(
+            fqn=name, role=role, module=owner, global_shape=list(p.shape), local_shape=local,
+            shard_dim=lay.dim, layout=_layout_kind(lay.index, lay.size), runs=index_to_runs(lay.index),
+            tied_to=aliases,
+        )
+    for mname, _ in model.named_modules():
+        rep = cap.stacks.representative(mname)
+        if rep in rep_modules:
+            mp = mod_plan(mname)
+            for k, v in rep_modules[rep].items():
+                if k == "row_biases":
+                    prefix = rep + "."
+                    mp.row_biases = [mname + "." + b[len(prefix):] if b.startswith(prefix) else b for b in v]
+                else:
+                    setattr(mp, k, v)
+        if fixups and rep in fixups:
+            mod_plan(mname).attr_fixups = dict(fixups[rep])
+    plan.modules = dict(sorted(modules.items()))
+    return plan
+
+
+class _ConfigView:
+    """A module's own view of a shared config with some sizes made rank-local."""
+
+    def __init__(self, base: Any, overrides: dict[str, int]) -> None:
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_base"), name, value)
+
+
+def _apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:
+    config_over: dict[str, int] = {}
+    for attr, (_, local) in fixups.items():
+        if attr.startswith("config."):
+            config_over[attr[len("config."):]] = local
+        else:
+            setattr(module, attr, local)
+    if config_over:
+        module.config = _ConfigView(module.config, config_over)
+
+
+def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
+    """Shard parameters and install hooks per ``plan`` (in place)."""
+    mods = dict(model.named_modules())
+    swaps: dict[str, list[str]] = defaultdict(list)
+    done: dict[int, nn.Parameter] = {}
+    for name, pp in plan.params.items():
+        if pp.shard_dim is None:
+            continue
+        mname, pname = _owner(name)
+        old = mods[mname]._parameters[pname]
+        new = done.get(id(old))
+        if new is None:
+            with torch.no_grad():
+                local = backend.local_shard(old.detach(), pp)
+            new = backend.make_param(local, pp, old.requires_grad)
+            done[id(old)] = new
+        for alias in [name, *pp.tied_to]:
+            am, ap = _owner(alias)
+            mods[am]._parameters[ap] = new
+            swaps[am].append(ap)
+        del old
+    for mname, names in swaps.items():
+        mp = plan.modules.get(mname) or ModulePlan(fqn=mname)
+        vocab_range = None
+        if mp.vocab_parallel:
+            emb = next(plan.params[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in plan.params)
+            runs = emb.runs[backend.rank]
+            vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])
+            _localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
+        backend.install(mods[mname], mp, sorted(set(names)), vocab_range)
+    for mname, mp in plan.modules.items():
+        if mname not in swaps and (mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output):
+            backend.install(mods[mname], mp, [], None)
+        if mp.attr_fixups:
+            _apply_fixups(mods[mname], mp.attr_fixups)
+    model.tpcompile_plan = plan
+    return model
+
+
+def _localize_embedding(module: nn.Module, vocab_range: tuple[int, int], local_rows: int) -> None:
+    """``nn.Embedding``'s own bookkeeping: local row count and padding index."""
+    start, end = vocab_range
+    if hasattr(module, "num_embeddings"):
+        module.num_embeddings = local_rows
+    pad = getattr(module, "padding_idx", None)
+    if isinstance(pad, int):
+        module.padding_idx = pad - start if start <= pad < end else None
