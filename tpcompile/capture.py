@@ -28,9 +28,9 @@ from torch import nn
 
 __all__ = ["Capture", "LayerStacks", "capture", "structural_signature"]
 
-# Odd, prime-ish example sizes: a batch or sequence length that equals a head count or a
-# feature size would make shape constants ambiguous in the traced graph.
-_EXAMPLE_BATCH = 2
+# Example sizes that cannot be mistaken for model sizes in the traced graph's shape
+# constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
+_EXAMPLE_BATCH = 1
 _EXAMPLE_SEQ = 7
 
 

@@ -165,7 +165,9 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
             runs = emb.runs[backend.rank]
             vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])
             _localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
-        backend.install(mods[mname], mp, sorted(set(names)), vocab_range)
+        replicas = {n: plan.params[f"{mname}.{n}"] for n in names
+                    if plan.params.get(f"{mname}.{n}") and plan.params[f"{mname}.{n}"].layout == "kv_replicated"}
+        backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, mp in plan.modules.items():
         if mname not in swaps and (mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output):
             backend.install(mods[mname], mp, [], None)

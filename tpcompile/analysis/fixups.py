@@ -69,6 +69,11 @@ class _Local:
             return shape[d]
         return int(sum(self.on_rank0(int(x)) for x in line))
 
+    def carries(self, node: fx.Node, d: int) -> bool:
+        """Does dim ``d`` of ``node`` carry distinct features?"""
+        v = self.a.an.value.get(node)
+        return isinstance(v, Feat) and self.line(v, self.a.an.ndim(node), d).size > 1
+
     def prefix(self, node: fx.Node, d: int, stop: int) -> int:
         v = self.a.an.value.get(node)
         line = self.line(v, self.a.an.ndim(node), d)
@@ -84,10 +89,19 @@ def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:
         packet = getattr(node.target, "overloadpacket", None)
         mod = innermost_module(node)
         out = an.value.get(node)
-        if packet in (aten.view, aten.reshape, aten._unsafe_view, aten.expand) and isinstance(out, Feat):
+        if packet in (aten.view, aten.reshape, aten._unsafe_view, aten.expand):
+            in_shape = an.shape(node.args[0])
+            out_shape = an.shape(node)
             for i, v in enumerate(node.args[1]):
-                if isinstance(v, int) and v > 1:
+                copies = packet is aten.expand and (
+                    len(out_shape) - len(in_shape) > i or in_shape[i - (len(out_shape) - len(in_shape))] == 1
+                )
+                if isinstance(v, int) and v > 1 and not copies:
                     pairs[mod][v].add(loc.size(node, i))
+            if isinstance(out, Feat):
+                for i, v in enumerate(out_shape):
+                    if v > 1 and loc.carries(node, i):
+                        pairs[mod][v].add(loc.size(node, i))
             if packet in (aten.view, aten.reshape):
                 _expand_copies(a, loc, node, pairs)
         elif packet in (aten.split, aten.split_with_sizes) and isinstance(an.value.get(node.args[0]), Feat):

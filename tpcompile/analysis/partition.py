@@ -68,6 +68,7 @@ class Partition:
     tp: int
     layouts: dict[tuple[str, int], BlockLayout] = field(default_factory=dict)
     failures: list[RegionFailure] = field(default_factory=list)
+    # rank holding each atom; -1 unplaced, -2 held by several ranks (replicated KV head)
     rank_of_atom: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     label: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -75,8 +76,20 @@ class Partition:
 @dataclass
 class _Region:
     blocks: list[int]
-    classes: np.ndarray  # class labels in deal order
+    classes: np.ndarray  # dealt units' class labels, in deal order
+    followers: np.ndarray  # classes placed wherever their replicas land
     vocab: bool
+
+
+@dataclass
+class _Atoms:
+    """Per-atom facts shared by every region."""
+
+    label: np.ndarray
+    base: np.ndarray
+    is_rep: np.ndarray
+    follower: np.ndarray  # per class label: holds features used only through replicas
+    block_of: np.ndarray  # per atom: index of its base's block, -1 if none
 
 
 def _deal(tp: int, n: int, pad: bool) -> np.ndarray | None:
@@ -89,53 +102,80 @@ def _deal(tp: int, n: int, pad: bool) -> np.ndarray | None:
     return None
 
 
-def _regions(an: Analysis, label: np.ndarray, base: np.ndarray, live: np.ndarray) -> list[_Region]:
+def _facts(an: Analysis) -> _Atoms:
     table = an.atoms
+    ea, eb = an.edges()
+    label = connected_components(table.size, ea, eb)
+    base = table.base_of()
+    is_rep = table.is_replica()
+    follower = np.zeros(table.size, dtype=bool)
+    for arr in an.replicated_bases:
+        follower[label[arr[arr >= 0]]] = True
     block_of = np.full(table.size, -1, dtype=np.int64)
     for i, blk in enumerate(table.blocks):
         block_of[blk.start : blk.start + blk.size] = i
-    atom_block = block_of[base]
-    ids = np.nonzero(live & (atom_block >= 0))[0]
-    cls = label[ids]
-    blk = atom_block[ids]
-    # tie classes that share a block: class <-> (size + block) in one label space
+    return _Atoms(label, base, is_rep, follower, block_of[base])
+
+
+def _regions(an: Analysis, f: _Atoms) -> list[_Region]:
+    table = an.atoms
+    ids = np.nonzero(f.block_of >= 0)[0]
+    cls, blk = f.label[ids], f.block_of[ids]
+    reps = np.nonzero(f.is_rep)[0]
     n_cls = table.size
-    comp = connected_components(n_cls + len(table.blocks), cls, n_cls + blk)
-    region_of_class = comp[cls]
+    # classes sharing a block, and a replica's class with its base's class, are one region
+    comp = connected_components(
+        n_cls + len(table.blocks),
+        np.concatenate([cls, f.label[reps]]),
+        np.concatenate([n_cls + blk, f.label[f.base[reps]]]),
+    )
+    region_of = comp[cls]
     embedding_fqns = {e.fqn for e in an.embeddings}
     regions: list[_Region] = []
-    for rid in np.unique(region_of_class):
-        sel = region_of_class == rid
+    for rid in np.unique(region_of):
+        sel = region_of == rid
         r_ids, r_cls, r_blk = ids[sel], cls[sel], blk[sel]
-        uniq, first = np.unique(r_cls, return_index=True)
+        uniq = np.unique(r_cls)
+        dealt = uniq[~f.follower[uniq]]
         # deal units in the order of their smallest base atom (first parameter's order)
-        order_key = np.full(uniq.size, np.iinfo(np.int64).max)
-        pos = np.searchsorted(uniq, r_cls)
-        np.minimum.at(order_key, pos, base[r_ids])
-        classes = uniq[np.argsort(order_key, kind="stable")]
+        order_key = np.full(dealt.size, np.iinfo(np.int64).max)
+        keep = ~f.follower[r_cls]
+        pos = np.searchsorted(dealt, r_cls[keep])
+        np.minimum.at(order_key, pos, f.base[r_ids[keep]])
+        classes = dealt[np.argsort(order_key, kind="stable")]
         blocks = sorted(set(r_blk.tolist()))
-        per_class = np.bincount(pos, minlength=uniq.size)
+        per_class = np.bincount(pos, minlength=dealt.size) if dealt.size else np.zeros(1, np.int64)
         vocab = bool(
             any(table.blocks[b].key[0] in embedding_fqns for b in blocks)
-            or (per_class.max() <= len(blocks) and uniq.size >= 64)
+            or (per_class.max() <= len(blocks) and dealt.size >= 64)
         )
-        regions.append(_Region(blocks, classes, vocab))
+        regions.append(_Region(blocks, classes, uniq[f.follower[uniq]], vocab))
     return regions
 
 
+def _holdings(region: _Region, ranks: np.ndarray, f: _Atoms, tp: int) -> np.ndarray:
+    """``on[r, class]``: rank ``r`` holds that unit (dealt to it, or a follower whose
+    features one of its units uses through a replica)."""
+    on = np.zeros((tp, f.label.size), dtype=bool)
+    on[ranks, region.classes] = True
+    reps = np.nonzero(f.is_rep)[0]
+    rep_rank_cls = on[:, f.label[reps]]  # (tp, n_reps)
+    for r in range(tp):
+        on[r, f.label[f.base[reps[rep_rank_cls[r]]]]] = True
+    return on
+
+
 def _layouts_for(
-    an: Analysis, region: _Region, ranks: np.ndarray, label: np.ndarray, base: np.ndarray,
-    live: np.ndarray, tp: int,
+    an: Analysis, region: _Region, ranks: np.ndarray, f: _Atoms, tp: int,
 ) -> dict[tuple[str, int], BlockLayout] | str:
     table = an.atoms
-    class_rank = np.full(table.size, -1, dtype=np.int64)
-    class_rank[region.classes] = ranks
+    on = _holdings(region, ranks, f, tp)
     out: dict[tuple[str, int], BlockLayout] = {}
     for b in region.blocks:
         blk = table.blocks[b]
-        atoms_ids = np.nonzero(live & (base >= blk.start) & (base < blk.start + blk.size))[0]
-        atom_rank = class_rank[label[atoms_ids]]
-        per_rank = [np.unique(base[atoms_ids[atom_rank == r]] - blk.start) for r in range(tp)]
+        prim = np.arange(blk.start, blk.start + blk.size)
+        held = on[:, f.label[prim]]  # (tp, size)
+        per_rank = [np.nonzero(held[r])[0] for r in range(tp)]
         sizes = {len(p) for p in per_rank}
         if region.vocab and len(sizes) > 1:
             width = max(sizes)
@@ -153,41 +193,31 @@ def valid_tp_sizes(n_units: int, upto: int = 128) -> list[int]:
 
 def partition(an: Analysis, tp: int) -> Partition:
     """Split every region's units over ``tp`` ranks; report regions that cannot split."""
-    ea, eb = an.edges()
+    f = _facts(an)
     table = an.atoms
-    label = connected_components(table.size, ea, eb)
-    base = table.base_of()
-    is_rep = table.is_replica()
-    bases_away = np.zeros(table.size, dtype=bool)
-    for arr in an.replicated_bases:
-        bases_away[arr[arr >= 0]] = True
-    # a primary atom whose every use went through replicas does not vote on placement
-    dormant_class = np.zeros(table.size, dtype=bool)
-    live_primary = ~is_rep & ~bases_away
-    cls_has_live = np.zeros(table.size, dtype=bool)
-    cls_has_live[label[live_primary | is_rep]] = True
-    dormant_class = ~cls_has_live
-    live = ~dormant_class[label]
-    result = Partition(tp=tp, label=label)
+    result = Partition(tp=tp, label=f.label)
     rank_of_atom = np.full(table.size, -1, dtype=np.int64)
-    for region in _regions(an, label, base, live):
+    for region in _regions(an, f):
         n = region.classes.size
         keys = [table.blocks[b].key for b in region.blocks]
-        if n == 1:
+        if n <= 1:
             result.failures.append(RegionFailure(keys, 1, "one indivisible unit", [1], single_unit=True))
             continue
         ranks = _deal(tp, n, pad=region.vocab and n >= tp)
-        layouts = _layouts_for(an, region, ranks, label, base, live, tp) if ranks is not None else None
+        layouts = _layouts_for(an, region, ranks, f, tp) if ranks is not None else None
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
-            valid = [t for t in valid_tp_sizes(n) if isinstance(
-                _layouts_for(an, region, _deal(t, n, False), label, base, live, t), dict)]
+            valid = [t for t in valid_tp_sizes(n) if isinstance(_layouts_for(an, region, _deal(t, n, False), f, t), dict)]
             result.failures.append(RegionFailure(keys, n, reason, valid))
             continue
         result.layouts.update(layouts)
         class_rank = np.full(table.size, -1, dtype=np.int64)
         class_rank[region.classes] = ranks
-        hit = class_rank[label] >= 0
-        rank_of_atom[hit] = class_rank[label[hit]]
+        # followers: their one rank, or -2 when several ranks hold a copy (replicated KV)
+        on = _holdings(region, ranks, f, tp)[:, region.followers]
+        count = on.sum(axis=0)
+        class_rank[region.followers] = np.where(count == 1, on.argmax(axis=0), np.where(count > 1, -2, -1))
+        hit = class_rank[f.label] != -1
+        rank_of_atom[hit] = class_rank[f.label[hit]]
     result.rank_of_atom = rank_of_atom
     return result

@@ -60,7 +60,7 @@ def _region_fqns(part: Partition, an: Analysis, atoms: np.ndarray) -> set[str]:
     return fqns
 
 
-def _rank0_mask(part: Partition, atoms: np.ndarray) -> np.ndarray:
+def _rank_of(part: Partition, atoms: np.ndarray) -> np.ndarray:
     r = part.rank_of_atom[np.clip(atoms, 0, None)]
     return np.where(atoms < 0, -1, r)
 
@@ -78,14 +78,15 @@ def _aligned_checks(a: Analyzed, strict: bool) -> set[str]:
     force: set[str] = set()
     an, part = a.an, a.part
     for ev in an.aligned:
-        ranks = _rank0_mask(part, ev.atoms)
+        ranks = _rank_of(part, ev.atoms)
         nd = ranks.ndim
         shape = (1,) * (nd - len(ev.shape)) + tuple(ev.shape)
         split_dims = [d for d in range(nd) if _varies(ranks, d)]
-        if not split_dims:
+        multi = bool((ranks == -2).any())  # features of a KV head several ranks hold
+        if not split_dims and not multi:
             continue
         sliced = [d for d in split_dims if shape[d] > 1]
-        shared = [d for d in split_dims if shape[d] == 1]
+        shared = [d for d in split_dims if shape[d] == 1] or ([-1] if multi else [])
         if isinstance(ev.operand, ParamRef):
             ref = ev.operand
             offset = nd - len(ref.dims)
@@ -158,7 +159,13 @@ def analyze(
         ).run()
         part = partition(an, tp)
         new: set[str] = set()
+        for f in part.failures:
+            if f.single_unit:
+                new |= {k[0] for k in f.blocks}
         for p in an.poison:
+            touched = _region_fqns(part, an, p.atoms)
+            if touched and touched <= new:
+                continue  # the region is replicated anyway (an MoE router's top-k, say)
             if p.unknown_op and strict:
                 raise TPError(
                     f"{p.reason}. Add a rule for it (transform(..., rules=[...])), force the "
@@ -166,7 +173,7 @@ def analyze(
                     "strict=False to replicate it with a warning."
                 )
             notes.append(p.reason)
-            new |= _region_fqns(part, an, p.atoms)
+            new |= touched
         for f in part.failures:
             fqns = {k[0] for k in f.blocks}
             if not f.single_unit:

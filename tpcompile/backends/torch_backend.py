@@ -81,8 +81,25 @@ class TorchBackend:
         return nn.Parameter(dt, requires_grad=requires_grad)
 
     # ---- hooks --------------------------------------------------------------------
-    def install(self, module: nn.Module, mplan: ModulePlan, swaps: list[str], vocab_range: tuple[int, int] | None) -> None:
+    def install(
+        self,
+        module: nn.Module,
+        mplan: ModulePlan,
+        swaps: list[str],
+        vocab_range: tuple[int, int] | None,
+        replicas: dict[str, ParamPlan] | None = None,
+    ) -> None:
+        """Wrap ``module``'s forward with the collectives ``mplan`` asks for.
+
+        ``swaps`` names the DTensor parameters used locally; ``replicas`` those whose
+        rows several ranks hold (replicated KV heads): their gradients are summed over
+        the copies so every copy takes the same optimizer step.
+        """
         group = self.group
+        replica_index = {
+            n: (torch.as_tensor(pp.index()[self.rank]), pp.global_shape[pp.shard_dim], pp.shard_dim)
+            for n, pp in (replicas or {}).items()
+        }
         grad_names = set(mplan.grad_allreduce)
         row_biases = [b.rsplit(".", 1)[-1] for b in mplan.row_biases]
         state: dict[str, Any] = {}
@@ -92,7 +109,10 @@ class TorchBackend:
             for name in swaps:
                 p = mod._parameters[name]
                 saved[name] = p
-                mod._parameters[name] = p.to_local() if isinstance(p, DTensor) else p
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if name in replica_index:
+                    local = _ReplicaGradSum.apply(local, *replica_index[name], group)
+                mod._parameters[name] = local
             for name in grad_names:
                 p = mod._parameters[name]
                 saved.setdefault(name, p)
@@ -143,6 +163,31 @@ class TorchBackend:
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True)
+
+
+class _ReplicaGradSum(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of every copy of each global row.
+
+    Each rank's local rows are scattered into the (small) global row space, summed over
+    the TP group, and read back, so all copies of a replicated KV head get the full
+    gradient — exactly the unsharded model's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, rows: int, dim: int, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows, ctx.dim, ctx.group = rows, dim, group
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (index,) = ctx.saved_tensors
+        index = index.to(grad.device)
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.rows
+        full = grad.new_zeros(shape).index_add_(ctx.dim, index, grad)
+        torch.distributed.all_reduce(full, group=ctx.group)
+        return full.index_select(ctx.dim, index), None, None, None, None
 
 
 def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
