@@ -1,0 +1,199 @@
+"""Roles come from the dataflow, never from names; bad input gets a clear error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist import run_distributed
+from torch import nn
+from test_transform import grad_errors
+
+import tpcompile
+from tpcompile import Role, TPError
+from tpcompile.presets import tiny_config
+
+HEADS, HD, HIDDEN, VOCAB = 4, 16, 64, 256
+
+
+class Zork(nn.Module):
+    """A transformer block whose attribute names say nothing about what they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.LayerNorm(HIDDEN)
+        self.a = nn.Linear(HIDDEN, 3 * HIDDEN)  # fused q|k|v, GPT-2 style
+        self.b = nn.Linear(HIDDEN, HIDDEN)
+        self.q = nn.LayerNorm(HIDDEN)
+        self.c = nn.Linear(HIDDEN, 256, bias=False)  # fused gate|up
+        self.d = nn.Linear(128, HIDDEN, bias=False)
+        self.w = HIDDEN  # a hard-coded width, like GPT-2's split_size: fixed up per rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        u, v, w = self.a(self.p(x)).split(self.w, dim=-1)
+        u, v, w = (t.view(bsz, seq, -1, HD).transpose(1, 2) for t in (u, v, w))
+        y = F.scaled_dot_product_attention(u, v, w, is_causal=True)
+        x = x + self.b(y.transpose(1, 2).reshape(bsz, seq, -1))
+        g, h = self.c(self.q(x)).chunk(2, dim=-1)
+        return x + self.d(F.silu(g) * h)
+
+
+class Blorp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Embedding(VOCAB, HIDDEN)
+        self.s = nn.ModuleList([Zork() for _ in range(2)])
+        self.n = nn.LayerNorm(HIDDEN)
+        self.h = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.t(input_ids)
+        for blk in self.s:
+            x = blk(x)
+        return self.h(self.n(x))
+
+
+EXPECTED = {
+    "t.weight": Role.VOCAB_EMBEDDING,
+    "s.0.a.weight": Role.COLUMN,
+    "s.0.a.bias": Role.SHARDED,
+    "s.0.b.weight": Role.ROW,
+    "s.0.b.bias": Role.REPLICATED,
+    "s.0.c.weight": Role.COLUMN,
+    "s.0.d.weight": Role.ROW,
+    "s.1.a.weight": Role.COLUMN,
+    "s.1.d.weight": Role.ROW,
+    "s.0.p.weight": Role.REPLICATED,
+    "h.weight": Role.LM_HEAD,
+}
+
+
+def test_meaningless_names_get_the_right_plan() -> None:
+    with torch.device("meta"):
+        model = Blorp()
+    plan = tpcompile.plan_model(model, tp=2)
+    for fqn, role in EXPECTED.items():
+        assert plan.params[fqn].role is role, (fqn, plan.params[fqn].role)
+    # fused q|k|v: rank 0 holds [q_0 | k_0 | v_0], read off the split in the graph
+    runs = plan.params["s.0.a.weight"].runs
+    assert runs[0] == [[0, 32], [64, 96], [128, 160]]
+    assert plan.params["s.0.c.weight"].layout == "fused"  # gate_0 | up_0
+    assert plan.params["s.0.c.weight"].runs[1] == [[64, 128], [192, 256]]
+    assert plan.modules["s.0"].attr_fixups == {"w": [64, 32]}
+
+
+def _blorp(rank: int, world: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    ref = Blorp()
+    model = copy.deepcopy(ref)
+    tpcompile.transform(model, tp=world)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    want, got = ref(ids), model(ids)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    return (got - want).abs().max().item(), max(grad_errors(model, ref, world).values())
+
+
+@pytest.mark.slow
+def test_meaningless_names_exact_outputs_and_grads() -> None:
+    for out_err, grad_err in run_distributed(_blorp, 2):
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_plan_json_round_trip() -> None:
+    with torch.device("meta"):
+        model = Blorp()
+    plan = tpcompile.plan_model(model, tp=2)
+    again = tpcompile.Plan.from_json(plan.to_json())
+    assert again.to_dict() == plan.to_dict()
+
+
+# ---- clear errors --------------------------------------------------------------------
+
+
+def test_no_process_group_error() -> None:
+    with pytest.raises(TPError, match="initialized process group"):
+        tpcompile.transform(Blorp(), tp=2)
+
+
+def _bad_tp(rank: int, world: int) -> str:
+    try:
+        tpcompile.transform(Blorp(), tp=3)
+    except TPError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_world_size_not_divisible_error() -> None:
+    for msg in run_distributed(_bad_tp, 2):
+        assert "not divisible by tp=3" in msg and "[1, 2]" in msg
+
+
+def test_heads_not_divisible_lists_working_tp() -> None:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=4))
+    with pytest.raises(TPError, match=r"tp=3.*tp values that work for it: \[1, 2, 4\]"):
+        tpcompile.plan_model(model, tp=3)
+
+
+class Weird(nn.Module):
+    """Sharded features go through an op no rule knows (a cumulative product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.Embedding(VOCAB, HIDDEN)
+        self.up = nn.Linear(HIDDEN, 128)
+        self.down = nn.Linear(128, HIDDEN)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.cumprod(self.up(self.e(input_ids)), dim=1))
+
+
+def test_unknown_op_strict_names_module_and_op() -> None:
+    with torch.device("meta"):
+        model = Weird()
+    with pytest.raises(TPError, match=r"cumprod.*Add a rule"):
+        tpcompile.plan_model(model, tp=2)
+
+
+def test_unknown_op_non_strict_replicates_with_warning() -> None:
+    with torch.device("meta"):
+        model = Weird()
+    with pytest.warns(UserWarning, match="cumprod"):
+        plan = tpcompile.plan_model(model, tp=2, strict=False)
+    assert plan.params["up.weight"].role is Role.REPLICATED
+    # with its input replicated, `down` is no longer a row: it feeds the output directly
+    assert plan.params["down.weight"].role is not Role.ROW
+
+
+def test_user_rule_places_unknown_op() -> None:
+    from tpcompile.analysis.propagate import rule
+    from tpcompile.rules.pointwise import pointwise
+
+    @rule(torch.ops.aten.cumprod)
+    def cumprod_over_tokens(an, node):  # cumprod over tokens is independent per feature
+        return pointwise(an, node)
+
+    with torch.device("meta"):
+        model = Weird()
+    plan = tpcompile.plan_model(model, tp=2, rules=[cumprod_over_tokens])
+    assert plan.params["up.weight"].role is Role.COLUMN
+    assert plan.params["down.weight"].role is Role.ROW
+
+
+def test_overrides_force_replicated_and_reject_contradictions() -> None:
+    with torch.device("meta"):
+        model = Blorp()
+    plan = tpcompile.plan_model(model, tp=2, overrides={"re:s\\.\\d+\\.[cd]\\.weight": "replicated"})
+    assert plan.params["s.1.c.weight"].role is Role.REPLICATED
+    assert plan.params["s.1.a.weight"].role is Role.COLUMN
+    with pytest.raises(TPError, match="contradicts the dataflow"):
+        tpcompile.plan_model(model, tp=2, overrides={"s.0.b.weight": "column"})
+    with pytest.raises(TPError, match="matches no parameter"):
+        tpcompile.plan_model(model, tp=2, overrides={"nope": "replicated"})
