@@ -197,3 +197,14 @@ def test_overrides_force_replicated_and_reject_contradictions() -> None:
         tpcompile.plan_model(model, tp=2, overrides={"s.0.b.weight": "column"})
     with pytest.raises(TPError, match="matches no parameter"):
         tpcompile.plan_model(model, tp=2, overrides={"nope": "replicated"})
+
+
+def test_te_backend_explains_itself_without_cuda() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tpcompile.api import _backend
+
+    with pytest.raises(TPError, match="backend='te'"):
+        _backend("te", DeviceMesh.__new__(DeviceMesh))
+    with pytest.raises(TPError, match="backend must be one of"):
+        _backend("mystery", DeviceMesh.__new__(DeviceMesh))
