@@ -199,7 +199,7 @@ def sdpa(an: Analysis, node: torch.fx.Node) -> object:
         return None
     heads = an.shape(q)[1]
     full = []
-    for t, tv in zip((q, k, v), vals):
+    for _t, tv in zip((q, k, v), vals, strict=False):
         if not isinstance(tv, Feat):
             full.append(None)
             continue

@@ -60,7 +60,7 @@ def view(an: Analysis, node: torch.fx.Node) -> object:
     in_shape = an.shape(src)
     atoms = an.aligned_to(v.atoms, len(in_shape))
     strides = in_val.stride()
-    for d, (stride, size) in enumerate(zip(strides, in_shape)):
+    for d, (stride, size) in enumerate(zip(strides, in_shape, strict=False)):
         if atoms.shape[d] == 1 and size > 1 and stride == 0 and atoms.size > 1:
             # broadcast copies of features merged into a feature dim: each copy becomes
             # a replica atom so different ranks may hold the same base feature
@@ -231,7 +231,7 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     if not any(isinstance(v, Feat) for v in vals):
         return None
     pieces: list[np.ndarray] = []
-    for t, v in zip(tensors, vals):
+    for t, v in zip(tensors, vals, strict=False):
         shape = list(an.shape(t))
         if packet is aten.stack:
             shape.insert(dim, 1)
@@ -246,7 +246,7 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     # broadcast every piece to a common shape off the cat dim, full size on it
     common = [max(p.shape[d] for p in pieces) for d in range(nd)]
     full: list[np.ndarray] = []
-    for t, p in zip(tensors, pieces):
+    for t, p in zip(tensors, pieces, strict=False):
         target = list(common)
         target[dim] = 1 if packet is aten.stack else an.shape(t)[dim]
         full.append(np.broadcast_to(p, target))

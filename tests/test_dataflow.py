@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run_distributed
-from torch import nn
 from test_transform import grad_errors
+from torch import nn
 
 import tpcompile
 from tpcompile import Role, TPError
@@ -173,8 +173,9 @@ def test_unknown_op_non_strict_replicates_with_warning() -> None:
 
 
 def test_user_rule_places_unknown_op() -> None:
-    from tpcompile.analysis.propagate import rule
     from tpcompile.rules.pointwise import pointwise
+
+    from tpcompile.analysis.propagate import rule
 
     @rule(torch.ops.aten.cumprod)
     def cumprod_over_tokens(an, node):  # cumprod over tokens is independent per feature

@@ -53,13 +53,13 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         return modules.setdefault(fqn, ModulePlan(fqn=fqn))
 
     rep_modules: dict[str, dict[str, Any]] = defaultdict(dict)
-    for fqn, m in a.column.items():
+    for m in a.column.values():
         rep_modules[m]["copy_inputs"] = True
     for fqn, m in a.lm_head.items():
         rep_modules[m]["copy_inputs"] = True
         rep_modules[m]["gather_output"] = not loss_parallel
         rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
-    for fqn, (m, bias) in a.row.items():
+    for m, bias in a.row.values():
         rep_modules[m]["reduce_output"] = True
         if bias is not None:
             rep_modules[m].setdefault("row_biases", []).append(bias)

@@ -64,7 +64,7 @@ class AtomTable:
     def base_of(self) -> np.ndarray:
         """``base[a]`` is the parameter atom that ``a`` copies (``a`` itself if primary)."""
         base = np.arange(self.size, dtype=np.int64)
-        for ids, bases in zip(self._rep_ids, self._rep_bases):
+        for ids, bases in zip(self._rep_ids, self._rep_bases, strict=False):
             base[ids] = bases
         # replicas of replicas: follow the chain to a parameter atom
         for _ in range(8):

@@ -109,7 +109,7 @@ def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:
             dim = (node.args[2] if len(node.args) > 2 else 0) % an.ndim(src)
             sizes = node.args[1] if isinstance(node.args[1], list | tuple) else [node.args[1]]
             users = sorted((u for u in node.users), key=lambda u: u.args[1])
-            for s, u in zip(sizes, users):
+            for s, u in zip(sizes, users, strict=False):
                 pairs[mod][int(s)].add(loc.size(u, dim))
         elif packet is aten.slice and isinstance(an.value.get(node.args[0]), Feat):
             src = node.args[0]
@@ -128,7 +128,7 @@ def _expand_copies(a: Analyzed, loc: _Local, node: fx.Node, pairs: dict) -> None
         return
     in_shape = a.an.shape(src)
     strides = a.an.meta(src).stride()
-    copy_dims = [d for d, (s, n) in enumerate(zip(strides, in_shape)) if s == 0 and n > 1]
+    copy_dims = [d for d, (s, n) in enumerate(zip(strides, in_shape, strict=False)) if s == 0 and n > 1]
     if len(copy_dims) != 1:
         return
     d = copy_dims[0]
