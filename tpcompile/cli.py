@@ -27,6 +27,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from .errors import TPError
+from .plan import ModulePlan, Plan
+
 __all__ = ["build_parser", "main"]
 
 _EXIT_OK = 0
@@ -109,7 +117,7 @@ def _fail(message: str) -> int:
     return _EXIT_USAGE
 
 
-def _config_with_layers(config: Any, layers: int) -> Any:
+def _config_with_layers(config: PreTrainedConfig, layers: int) -> PreTrainedConfig:
     """``config`` rebuilt with ``layers`` layers.
 
     Rebuilt from its dict rather than mutated, so derived per-layer fields stay
@@ -128,7 +136,7 @@ def _config_with_layers(config: Any, layers: int) -> Any:
     return type(config).from_dict(data)
 
 
-def _build_model(args: argparse.Namespace) -> Any:
+def _build_model(args: argparse.Namespace) -> nn.Module:
     """The meta-device model the user named (preset or local config)."""
     from . import presets
 
@@ -154,9 +162,9 @@ def _build_model(args: argparse.Namespace) -> Any:
 
 
 def _cmd_dump_plan(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    from . import TPError, plan_model
+    from .api import plan_model
 
+    t0 = time.perf_counter()
     try:
         model = _build_model(args)
         t_built = time.perf_counter()
@@ -287,7 +295,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
-def _param_rows(plan: Any, dtypes: dict[str, int]) -> tuple[list[list[str]], int]:
+def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], int]:
     """One row per collapsed parameter group, and the per-rank byte total."""
 
     def signature(fqn: str) -> tuple[Any, ...]:
@@ -310,7 +318,7 @@ def _param_rows(plan: Any, dtypes: dict[str, int]) -> tuple[list[list[str]], int
     return rows, total
 
 
-def _module_collectives(mp: Any) -> tuple[int, int, int]:
+def _module_collectives(mp: ModulePlan) -> tuple[int, int, int]:
     """(forward all-reduces, forward all-gathers, backward all-reduces) of one module."""
     fwd_reduce = int(mp.reduce_output) + int(mp.vocab_parallel)
     fwd_gather = int(mp.gather_output)
@@ -330,10 +338,10 @@ def _add(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, in
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
-def _module_section(plan: Any) -> tuple[list[str], tuple[int, int, int]]:
+def _module_section(plan: Plan) -> tuple[list[str], tuple[int, int, int]]:
     """Collectives per (collapsed) module, the per-block summary and whole-model totals."""
     # Model order (that of plan.params), not plan.modules' alphabetical order.
-    order = {}
+    order: dict[str, int] = {}
     for p in plan.params.values():
         order.setdefault(p.module, len(order))
     fqns = sorted(plan.modules, key=lambda f: (order.get(f, len(order)), f))
@@ -358,7 +366,7 @@ def _module_section(plan: Any) -> tuple[list[str], tuple[int, int, int]]:
     return lines, total
 
 
-def _render_table(plan: Any, dtypes: dict[str, int], timing: dict[str, float], *,
+def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], *,
                   start: float) -> str:
     rows, total_bytes = _param_rows(plan, dtypes)
     header = ["parameter", "role", "global → per-rank shape", "layout", "per-rank bytes"]
@@ -416,9 +424,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo_worker(rank: int, tp: int, port: int, steps: int, results: Any) -> None:
     """One spawned rank: join the group, run the checks, report ``(rank, ok)``."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)  # tp processes share few cores; avoid oversubscription
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=tp, timeout=datetime.timedelta(seconds=120))
@@ -435,28 +440,24 @@ def _say(rank: int, text: str) -> None:
 
 def _global_max(value: float) -> float:
     """Max over ranks, so every rank reaches the same verdict."""
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 def _demo_checks(rank: int, tp: int, steps: int) -> bool:
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    import tpcompile
-    from tpcompile import presets
+    from . import presets
+    from .api import transform
 
     hf_logging.set_verbosity_error()  # keep the demo's output to what it measures
     torch.manual_seed(_DEMO_SEED)  # same seed on every rank: identical full weights
     config = presets.tiny_config("llama")
     model = AutoModelForCausalLM.from_config(config)
     reference = copy.deepcopy(model)
-    tpcompile.transform(model, tp=tp)
+    transform(model, tp=tp)
     _say(rank, _role_summary(model.tpcompile_plan))
 
     ids = torch.randint(0, config.vocab_size, _DEMO_BATCH,
@@ -467,7 +468,7 @@ def _demo_checks(rank: int, tp: int, steps: int) -> bool:
     return logits_ok and losses_ok and tokens_ok
 
 
-def _role_summary(plan: Any) -> str:
+def _role_summary(plan: Plan) -> str:
     roles = Counter(p.role.value for p in plan.params.values())
     layouts = Counter(p.layout for p in plan.params.values())
     role_text = ", ".join(f"{n} {r}" for r, n in sorted(roles.items()))
@@ -475,9 +476,7 @@ def _role_summary(plan: Any) -> str:
     return f"plan (tp={plan.tp}, {plan.model_class}): {role_text}\n  layouts: {layout_text}"
 
 
-def _check_logits(rank: int, model: Any, reference: Any, ids: Any) -> bool:
-    import torch
-
+def _check_logits(rank: int, model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> bool:
     with torch.no_grad():
         diff = (model(ids).logits - reference(ids).logits).abs().max().item()
     diff = _global_max(diff)
@@ -486,9 +485,8 @@ def _check_logits(rank: int, model: Any, reference: Any, ids: Any) -> bool:
     return ok
 
 
-def _check_training(rank: int, model: Any, reference: Any, ids: Any, steps: int) -> bool:
-    import torch
-
+def _check_training(rank: int, model: nn.Module, reference: nn.Module, ids: torch.Tensor,
+                    steps: int) -> bool:
     # Every rank trains its own identical reference copy, so no reference traffic.
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
     model.train()
@@ -506,7 +504,7 @@ def _check_training(rank: int, model: Any, reference: Any, ids: Any, steps: int)
     return ok
 
 
-def _train_step(model: Any, opt: Any, ids: Any) -> float:
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
     loss = model(ids, labels=ids).loss
     loss.backward()
     opt.step()
@@ -514,9 +512,8 @@ def _train_step(model: Any, opt: Any, ids: Any) -> float:
     return float(loss.item())
 
 
-def _check_generate(rank: int, model: Any, reference: Any, prompt: Any, config: Any) -> bool:
-    import torch
-
+def _check_generate(rank: int, model: PreTrainedModel, reference: PreTrainedModel,
+                    prompt: torch.Tensor, config: PreTrainedConfig) -> bool:
     model.eval()
     reference.eval()
     kwargs = {"max_new_tokens": _DEMO_NEW_TOKENS, "do_sample": False,

@@ -40,19 +40,20 @@ class Role(str, enum.Enum):
 def index_to_runs(index: np.ndarray) -> list[list[list[int]]]:
     """``(tp, local)`` index array → per-rank runs ``[[start, stop], ...]``."""
     out: list[list[list[int]]] = []
-    for row in np.asarray(index):
-        runs: list[list[int]] = []
-        for v in row.tolist():
-            if v < 0:
-                if runs and runs[-1][0] == -1:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([-1, 1])
-            elif runs and runs[-1][0] >= 0 and runs[-1][1] == v:
-                runs[-1][1] = v + 1
-            else:
-                runs.append([v, v + 1])
-        out.append(runs)
+    for row in np.asarray(index, dtype=np.int64):
+        if row.size == 0:
+            out.append([])
+            continue
+        pad = row < 0
+        # a run breaks where padding starts/stops or the next index is not previous + 1
+        brk = np.ones(row.size, dtype=bool)
+        brk[1:] = (pad[1:] != pad[:-1]) | (~pad[1:] & (row[1:] != row[:-1] + 1))
+        starts = np.nonzero(brk)[0]
+        ends = np.append(starts[1:], row.size)
+        out.append([
+            [-1, int(e - s)] if pad[s] else [int(row[s]), int(row[e - 1]) + 1]
+            for s, e in zip(starts.tolist(), ends.tolist())
+        ])
     return out
 
 

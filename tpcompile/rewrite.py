@@ -67,6 +67,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         rep_modules[m]["vocab_parallel"] = True
         rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
 
+    encoded: dict[str, tuple[str, list]] = {}
     for name, p in model.named_parameters():
         rep = cap.stacks.representative(name)
         aliases = [n for n in names_of[id(p)] if n != name]
@@ -87,10 +88,12 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
                 if key in a.row else Role.VOCAB_EMBEDDING if key in a.embedding else Role.SHARDED)
         local = list(p.shape)
         local[lay.dim] = lay.local
+        if key not in encoded:  # every block of one structure shares its representative's
+            encoded[key] = (_layout_kind(lay.index, lay.size), index_to_runs(lay.index))
+        kind, runs = encoded[key]
         plan.params[name] = ParamPlan(
             fqn=name, role=role, module=owner, global_shape=list(p.shape), local_shape=local,
-            shard_dim=lay.dim, layout=_layout_kind(lay.index, lay.size), runs=index_to_runs(lay.index),
-            tied_to=aliases,
+            shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases,
         )
     for mname, _ in model.named_modules():
         rep = cap.stacks.representative(mname)
