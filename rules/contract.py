@@ -60,7 +60,7 @@ def linear_like(
         xv = None
     out_features = an.shape(node)[-1]
     if xv is None:
-        if w.fqn in an.forced_replicated:
+        if w.fqn in an.forced_replicated or (w.fqn, p_out) in an.forced_replicated:
             return None
         atoms = an.atoms.param_atoms(w.fqn, p_out, out_features)
         if bias_fqn is not None:
@@ -236,7 +236,7 @@ def embedding(an: Analysis, node: torch.fx.Node) -> object:
     wv = an.val(w)
     if not isinstance(wv, ParamRef) or isinstance(an.val(ids), Feat):
         return None
-    if wv.fqn in an.forced_replicated or wv.dims[0] is None:
+    if wv.dims[0] is None or wv.fqn in an.forced_replicated or (wv.fqn, wv.dims[0]) in an.forced_replicated:
         return None
     rows = an.shape(w)[0]
     atoms = an.atoms.param_atoms(wv.fqn, wv.dims[0], rows)

@@ -76,14 +76,6 @@ _CASES: dict[str, tuple[int, list[tuple[str, str]], str, str]] = {
     ], "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
 }
 
-_BERT_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="compiler: plan_model(bert-base, tp=4) raises TPError 'cannot split "
-    "bert.embeddings.token_type_embeddings.weight over tp=4: 2 units do not split over "
-    "tp=4' (and at tp=2 word_embeddings comes out replicated, not vocab_embedding)",
-)
-
-
 def _dump_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     code = main(["dump-plan", *args, "--format", "json"])
     captured = capsys.readouterr()
@@ -116,7 +108,7 @@ def _check_embedding_and_head(plan: dict[str, Any], embed: str, head: str) -> No
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=_BERT_XFAIL) if n == "bert" else n for n in _CASES],
+    [pytest.param(n, marks=()) if n == "bert" else n for n in _CASES],
 )
 def test_dump_plan_roles(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     tp, rules, embed, head = _CASES[name]
@@ -126,11 +118,6 @@ def test_dump_plan_roles(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     _check_embedding_and_head(plan, embed, head)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compiler: Mixtral's fused experts (mlp.experts.gate_up_proj / down_proj, "
-    "3-D parameters) are planned 'replicated' instead of column / row",
-)
 def test_dump_plan_mixtral_experts(capsys: pytest.CaptureFixture[str]) -> None:
     plan = _dump_json(capsys, "mixtral", "--tp", "8", "--layers", "2")
     params = plan["params"]

@@ -429,6 +429,7 @@ def _demo_worker(rank: int, tp: int, port: int, steps: int, results: Any) -> Non
                             world_size=tp, timeout=datetime.timedelta(seconds=120))
     try:
         results.put((rank, _demo_checks(rank, tp, steps)))
+        dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
     finally:
         dist.destroy_process_group()
 

@@ -80,6 +80,10 @@ class AtomTable:
             mask[ids] = True
         return mask
 
+    def by_key_of(self, atoms: np.ndarray) -> int:
+        """The parameter dim the (primary) ``atoms`` belong to."""
+        return self.owner(int(np.asarray(atoms).reshape(-1)[0]))[1]
+
     def owner(self, atom: int) -> tuple[str, int, int]:
         """(FQN, dim, index) of a parameter atom."""
         for block in self.blocks:

@@ -112,7 +112,7 @@ class Analysis:
         *,
         param_of_placeholder: dict[str, str],
         buffer_of_placeholder: dict[str, str],
-        forced_replicated: set[str] | None = None,
+        forced_replicated: set | None = None,
         atoms: AtomTable | None = None,
     ) -> None:
         self.graph = graph

@@ -33,7 +33,7 @@ class Analyzed:
     embedding: dict[str, str]
     lm_head: dict[str, str]
     grad_allreduce: set[str] = field(default_factory=set)
-    forced: set[str] = field(default_factory=set)
+    forced: set = field(default_factory=set)  # fqns (overrides) and (fqn, dim) blocks
     notes: list[str] = field(default_factory=list)
     passes: int = 0
 
@@ -44,20 +44,20 @@ def _match(key: str, fqn: str) -> bool:
     return key == fqn
 
 
-def _region_fqns(part: Partition, an: Analysis, atoms: np.ndarray) -> set[str]:
-    """Parameters of every region the given atoms belong to (for forcing replication)."""
+def _region_fqns(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
+    """Blocks ``(fqn, dim)`` of every region the given atoms belong to (to force replicated)."""
     atoms = atoms[atoms >= 0]
     if atoms.size == 0:
         return set()
     base = an.atoms.base_of()
     label = part.label
     hit_classes = set(np.unique(label[atoms]).tolist()) | set(np.unique(label[base[atoms]]).tolist())
-    fqns: set[str] = set()
+    keys: set = set()
     for blk in an.atoms.blocks:
         ids = np.arange(blk.start, blk.start + blk.size)
         if hit_classes.intersection(np.unique(label[ids]).tolist()):
-            fqns.add(blk.key[0])
-    return fqns
+            keys.add(blk.key)
+    return keys
 
 
 def _rank_of(part: Partition, atoms: np.ndarray) -> np.ndarray:
@@ -73,9 +73,9 @@ def _varies(ranks: np.ndarray, d: int) -> bool:
     return bool((both & (ranks != ref)).any())
 
 
-def _aligned_checks(a: Analyzed, strict: bool) -> set[str]:
+def _aligned_checks(a: Analyzed, strict: bool) -> set:
     """Resolve elementwise meetings of unsharded values with sharded features."""
-    force: set[str] = set()
+    force: set = set()
     an, part = a.an, a.part
     for ev in an.aligned:
         ranks = _rank_of(part, ev.atoms)
@@ -125,9 +125,9 @@ def _slice_layout(fqn: str, pd: int | None, ranks: np.ndarray, d: int, tp: int) 
     return BlockLayout(fqn, pd, int(line.size), np.stack(index))
 
 
-def _reduce_checks(an: Analysis, part: Partition) -> set[str]:
+def _reduce_checks(an: Analysis, part: Partition) -> set:
     """A partial sum must leave the module that computed it before it is reduced."""
-    force: set[str] = set()
+    force: set = set()
     for rp in an.reduce_points:
         path = module_path(rp.node) if rp.node.op != "output" else []
         for ri in rp.rows:
@@ -135,6 +135,20 @@ def _reduce_checks(an: Analysis, part: Partition) -> set[str]:
             if (row.fqn, row.in_dim) in part.layouts and row.module in path:
                 force |= _region_fqns(part, an, row.atoms)
     return force
+
+
+def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set[str]:
+    new: set = set()
+    for f in part.failures:
+        if f.single_unit:
+            new |= set(f.blocks)
+    out_set = set(np.unique(outputs[outputs >= 0]).tolist())
+    vocab_sizes = {int(c.atoms.size) for c in an.columns if int(c.atoms[0]) in out_set}
+    for e in an.embeddings:
+        tied = any(c.fqn == e.fqn for c in an.columns)
+        if not tied and e.atoms.size not in vocab_sizes and e.atoms.size < 16384:
+            new.add((e.fqn, an.atoms.by_key_of(e.atoms)))
+    return new
 
 
 def analyze(
@@ -158,13 +172,13 @@ def analyze(
             buffer_of_placeholder=buffer_of_placeholder, forced_replicated=set(forced),
         ).run()
         part = partition(an, tp)
-        new: set[str] = set()
-        for f in part.failures:
-            if f.single_unit:
-                new |= {k[0] for k in f.blocks}
+        outputs = np.concatenate([o.reshape(-1) for o in an.outputs]) if an.outputs else np.zeros(0, np.int64)
+        # structural forcing first: one-unit regions (an MoE router, a norm over the whole
+        # hidden size) and small lookup tables (positions, token types) stay replicated
+        new = _structural(an, part, outputs)
         for p in an.poison:
             touched = _region_fqns(part, an, p.atoms)
-            if touched and touched <= new:
+            if touched and touched <= new | forced:
                 continue  # the region is replicated anyway (an MoE router's top-k, say)
             if p.unknown_op and strict:
                 raise TPError(
@@ -176,30 +190,25 @@ def analyze(
             new |= touched
         for f in part.failures:
             fqns = {k[0] for k in f.blocks}
-            if not f.single_unit:
-                msg = (
-                    f"cannot split {', '.join(sorted(fqns))} over tp={tp}: {f.reason}. "
-                    f"tp values that work for it: {f.valid_tp}"
-                )
-                if strict:
-                    raise TPError(msg)
-                notes.append(msg + " (kept replicated)")
-            new |= fqns
-        outputs = np.concatenate([o.reshape(-1) for o in an.outputs]) if an.outputs else np.zeros(0, np.int64)
-        out_set = set(np.unique(outputs[outputs >= 0]).tolist())
-        vocab_sizes = {int(c.atoms.size) for c in an.columns if int(c.atoms[0]) in out_set}
-        for e in an.embeddings:
-            tied = any(c.fqn == e.fqn for c in an.columns)
-            if not tied and e.atoms.size not in vocab_sizes and e.atoms.size < 16384:
-                new.add(e.fqn)  # position / token-type tables: small, keep replicated
+            if f.single_unit or set(f.blocks) <= new | forced:
+                continue
+            msg = (
+                f"cannot split {', '.join(sorted(fqns))} over tp={tp}: {f.reason}. "
+                f"tp values that work for it: {f.valid_tp}"
+            )
+            if strict:
+                raise TPError(msg)
+            notes.append(msg + " (kept replicated)")
+            new |= set(f.blocks)
+        new -= forced
+        if new:  # the graph changes: re-propagate before judging finer interactions
+            forced |= new
+            continue
         a = Analyzed(an, part, {}, {}, {}, {}, {}, forced=forced, notes=notes, passes=n_pass)
         for key, lay in part.layouts.items():
-            if key[0] in forced or key[0] in new:
-                continue
-            a.layouts[key[0]] = lay
-        new |= _aligned_checks(a, strict)
-        new |= _reduce_checks(an, part)
-        new -= forced
+            if key[0] not in forced and key not in forced:
+                a.layouts[key[0]] = lay
+        new = (_aligned_checks(a, strict) | _reduce_checks(an, part)) - forced
         if not new:
             _assign(a, outputs)
             return a
