@@ -52,7 +52,7 @@ def index_to_runs(index: np.ndarray) -> list[list[list[int]]]:
         ends = np.append(starts[1:], row.size)
         out.append([
             [-1, int(e - s)] if pad[s] else [int(row[s]), int(row[e - 1]) + 1]
-            for s, e in zip(starts.tolist(), ends.tolist())
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
         ])
     return out
 
