@@ -95,8 +95,7 @@ def addmm(an: Analysis, node: torch.fx.Node) -> object:
     wv = an.val(w)
     if isinstance(wv, ParamRef):
         return linear_like(an, node, x, wv, 0, 1, bias)
-    out = activation_matmul(an, node, x, w)
-    return out
+    return activation_matmul(an, node, x, w)
 
 
 @rule(aten.mm, aten.matmul, aten.bmm)

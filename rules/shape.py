@@ -9,6 +9,7 @@ of the KV head it shares, which is what lets tp exceed the number of KV heads.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,6 +27,19 @@ def _atoms(an: Analysis, arg: object) -> np.ndarray | None:
     if isinstance(v, Feat):
         return an.aligned_to(v.atoms, an.ndim(arg))
     return None
+
+
+def _relayout(
+    v: object,
+    atoms: Callable[[np.ndarray], np.ndarray],
+    dims: Callable[[tuple[int | None, ...]], tuple[int | None, ...]],
+) -> object:
+    """Apply one dim re-arrangement to whichever abstract value ``v`` is."""
+    if isinstance(v, Feat):
+        return Feat(atoms(v.atoms))
+    if isinstance(v, ParamRef):
+        return ParamRef(v.fqn, dims(v.dims), v.is_buffer)
+    return v if isinstance(v, Partial) else None
 
 
 @rule(
@@ -72,13 +86,12 @@ def view(an: Analysis, node: torch.fx.Node) -> object:
 
 @rule(aten.expand, aten.expand_as, aten.broadcast_to)
 def expand(an: Analysis, node: torch.fx.Node) -> object:
-    v = an.val(node.args[0])
     nd = an.ndim(node)
-    if isinstance(v, Feat):
-        return Feat(an.aligned_to(v.atoms, nd))
-    if isinstance(v, ParamRef):
-        return ParamRef(v.fqn, (None,) * (nd - len(v.dims)) + v.dims, v.is_buffer)
-    return v if isinstance(v, Partial) else None
+    return _relayout(
+        an.val(node.args[0]),
+        lambda a: an.aligned_to(a, nd),
+        lambda dims: (None,) * (nd - len(dims)) + dims,
+    )
 
 
 @rule(aten.permute, aten.transpose, aten.t, aten.swapaxes, aten.movedim, aten.numpy_T)
@@ -98,26 +111,23 @@ def permute(an: Analysis, node: torch.fx.Node) -> object:
         order.insert(dst_d, order.pop(src_d))
     else:  # t / numpy_T reverse
         order = order[::-1]
-    v = an.val(src)
-    if isinstance(v, Feat):
-        return Feat(np.transpose(an.aligned_to(v.atoms, nd), order))
-    if isinstance(v, ParamRef):
-        return ParamRef(v.fqn, tuple(v.dims[d] for d in order), v.is_buffer)
-    return v if isinstance(v, Partial) else None
+    return _relayout(
+        an.val(src),
+        lambda a: np.transpose(an.aligned_to(a, nd), order),
+        lambda dims: tuple(dims[d] for d in order),
+    )
 
 
 @rule(aten.unsqueeze)
 def unsqueeze(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
-    v = an.val(src)
-    d = node.args[1] % (an.ndim(src) + 1)
-    if isinstance(v, Feat):
-        return Feat(np.expand_dims(an.aligned_to(v.atoms, an.ndim(src)), d))
-    if isinstance(v, ParamRef):
-        dims = list(v.dims)
-        dims.insert(d, None)
-        return ParamRef(v.fqn, tuple(dims), v.is_buffer)
-    return v if isinstance(v, Partial) else None
+    nd = an.ndim(src)
+    d = node.args[1] % (nd + 1)
+    return _relayout(
+        an.val(src),
+        lambda a: np.expand_dims(an.aligned_to(a, nd), d),
+        lambda dims: (*dims[:d], None, *dims[d:]),
+    )
 
 
 @rule(aten.squeeze)
@@ -125,7 +135,6 @@ def squeeze(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
     in_shape = an.shape(src)
     out_nd = an.ndim(node)
-    v = an.val(src)
     if len(node.args) > 1:
         dims = node.args[1] if isinstance(node.args[1], list | tuple) else [node.args[1]]
         drop = {d % len(in_shape) for d in dims if in_shape[d % len(in_shape)] == 1}
@@ -133,12 +142,12 @@ def squeeze(an: Analysis, node: torch.fx.Node) -> object:
         drop = {d for d, s in enumerate(in_shape) if s == 1}
     keep = [d for d in range(len(in_shape)) if d not in drop]
     assert len(keep) == out_nd
-    if isinstance(v, Feat):
-        a = an.aligned_to(v.atoms, len(in_shape))
-        return Feat(a.reshape([a.shape[d] for d in keep]))
-    if isinstance(v, ParamRef):
-        return ParamRef(v.fqn, tuple(v.dims[d] for d in keep), v.is_buffer)
-    return v if isinstance(v, Partial) else None
+
+    def drop_atoms(a: np.ndarray) -> np.ndarray:
+        full = an.aligned_to(a, len(in_shape))
+        return full.reshape([full.shape[d] for d in keep])
+
+    return _relayout(an.val(src), drop_atoms, lambda dims: tuple(dims[d] for d in keep))
 
 
 @rule(aten.slice)

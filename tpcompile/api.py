@@ -16,7 +16,7 @@ from .analysis.propagate import Rule, RuleSet
 from .analysis.roles import analyze
 from .capture import capture
 from .errors import TPError
-from .plan import Plan
+from .plan import Plan, key_matches
 from .rewrite import apply_plan, build_plan
 
 __all__ = ["plan_model", "transform"]
@@ -77,10 +77,8 @@ def plan_model(
 
 
 def _check_overrides(plan: Plan, overrides: dict[str, str] | None) -> None:
-    from .analysis.roles import _match
-
     for key, role in (overrides or {}).items():
-        hits = [f for f in plan.params if _match(key, f)]
+        hits = [f for f in plan.params if key_matches(key, f)]
         if not hits:
             raise TPError(f"override {key!r} matches no parameter; keys are parameter FQNs or 're:<regex>'")
         if role == "replicated":

@@ -31,20 +31,22 @@ def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
             "through; compute the loss with tpcompile.loss.vocab_parallel_cross_entropy yourself"
         )
     head = heads[0]
-    runs = head.runs[backend.rank]
-    vocab_start = runs[0][0]
+    vocab_start = head.runs[backend.rank][0][0]
     vocab_size = head.global_shape[head.shard_dim]
     group = backend.group
 
-    def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size_arg: int | None = None,
-                      num_items_in_batch: Any = None, ignore_index: int = -100,
-                      shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    def loss_function(
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size_arg: int | None = None,  # HF passes config.vocab_size; the plan knows better
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
         return loss_parallel_causal_lm_loss(
             logits, labels, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
             ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
         )
 
-    def adapter(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, **kwargs: Any) -> torch.Tensor:
-        return loss_function(logits, labels, vocab_size, **kwargs)
-
-    model.loss_function = adapter
+    model.loss_function = loss_function

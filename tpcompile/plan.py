@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["PLAN_VERSION", "ModulePlan", "ParamPlan", "Plan", "Role", "runs_to_index", "index_to_runs"]
+__all__ = [
+    "PLAN_VERSION", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs", "key_matches",
+    "runs_to_index",
+]
 
 PLAN_VERSION = 1
 
@@ -35,6 +39,13 @@ class Role(str, enum.Enum):
     SHARDED = "sharded"  # a bias / per-head parameter split like the features it meets
     GRAD_ALLREDUCE = "replicated_grad_allreduce"  # replicated, applied to sharded features
     REPLICATED = "replicated"
+
+
+def key_matches(key: str, fqn: str) -> bool:
+    """Does an override key (a parameter FQN, or ``"re:<regex>"``) select ``fqn``?"""
+    if key.startswith("re:"):
+        return re.fullmatch(key[3:], fqn) is not None
+    return key == fqn
 
 
 def index_to_runs(index: np.ndarray) -> list[list[list[int]]]:
@@ -93,6 +104,7 @@ class ModulePlan:
     gather_output: bool = False  # all-gather of vocab-sharded logits
     vocab_parallel: bool = False  # masked embedding lookup
     vocab_size: int | None = None  # real (unpadded) rows, for masking/unpadding
+    # parameter names local to the module, like ``grad_allreduce``
     row_biases: list[str] = field(default_factory=list)  # added once, after the reduce
     grad_allreduce: list[str] = field(default_factory=list)
     attr_fixups: dict[str, list[int]] = field(default_factory=dict)  # attr -> [global, local]

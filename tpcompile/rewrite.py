@@ -18,6 +18,7 @@ from torch import nn
 
 from .analysis.roles import Analyzed
 from .capture import Capture
+from .errors import TPError
 from .plan import ModulePlan, ParamPlan, Plan, Role, index_to_runs
 
 __all__ = ["apply_plan", "build_plan"]
@@ -62,7 +63,10 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     for m, bias in a.row.values():
         rep_modules[m]["reduce_output"] = True
         if bias is not None:
-            rep_modules[m].setdefault("row_biases", []).append(bias)
+            owner, pname = _owner(bias)
+            if owner != m:
+                raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
+            rep_modules[m].setdefault("row_biases", []).append(pname)
     for fqn, m in a.embedding.items():
         rep_modules[m]["vocab_parallel"] = True
         rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
@@ -71,8 +75,11 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     for name, p in model.named_parameters():
         rep = cap.stacks.representative(name)
         aliases = [n for n in names_of[id(p)] if n != name]
-        rep_alias = next((cap.stacks.representative(n) for n in aliases if cap.stacks.representative(n) in a.layouts), None)
-        key = rep if rep in a.layouts or rep in a.grad_allreduce else (rep_alias or rep)
+        # a tied parameter is traced under one of its names: look each of them up
+        key = next(
+            (r for r in (rep, *map(cap.stacks.representative, aliases)) if r in a.layouts or r in a.grad_allreduce),
+            rep,
+        )
         lay = a.layouts.get(key)
         owner, _ = _owner(name)
         if lay is None:
@@ -100,11 +107,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         if rep in rep_modules:
             mp = mod_plan(mname)
             for k, v in rep_modules[rep].items():
-                if k == "row_biases":
-                    prefix = rep + "."
-                    mp.row_biases = [mname + "." + b[len(prefix):] if b.startswith(prefix) else b for b in v]
-                else:
-                    setattr(mp, k, v)
+                setattr(mp, k, list(v) if isinstance(v, list) else v)
         if fixups and rep in fixups:
             mod_plan(mname).attr_fixups = dict(fixups[rep])
     plan.modules = dict(sorted(modules.items()))
@@ -160,7 +163,10 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
             mods[am]._parameters[ap] = new
             swaps[am].append(ap)
         del old
-    for mname, names in swaps.items():
+    hooked = [m for m, mp in plan.modules.items()
+              if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output]
+    for mname in dict.fromkeys([*swaps, *hooked]):
+        names = swaps.get(mname, [])
         mp = plan.modules.get(mname) or ModulePlan(fqn=mname)
         vocab_range = None
         if mp.vocab_parallel:
@@ -172,8 +178,6 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
                     if plan.params.get(f"{mname}.{n}") and plan.params[f"{mname}.{n}"].layout == "kv_replicated"}
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, mp in plan.modules.items():
-        if mname not in swaps and (mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output):
-            backend.install(mods[mname], mp, [], None)
         if mp.attr_fixups:
             _apply_fixups(mods[mname], mp.attr_fixups)
     model.tpcompile_plan = plan

@@ -29,55 +29,44 @@ aten = torch.ops.aten
 
 
 class _Local:
+    """Rank 0's view of the analysed graph: how many positions of a dim it holds."""
+
     def __init__(self, a: Analyzed) -> None:
         self.a = a
-        self.base = a.an.atoms.base_of()
-        self.rank0: dict[int, set[int]] = {}
         table = a.an.atoms
-        self.block_of: dict[int, tuple[str, int]] = {}
+        rank = a.part.rank_of_atom
+        # atoms placed on one rank answer directly; the rest (unsplit blocks, and KV
+        # features several ranks hold) follow their base parameter row's layout
+        held = np.ones(table.size, dtype=bool)
         for blk in table.blocks:
             lay = a.layouts.get(blk.key[0])
             if lay is not None and lay.dim == blk.key[1]:
-                self.rank0[blk.start] = set((lay.index[0][lay.index[0] >= 0] + blk.start).tolist())
-        self.starts = sorted(self.rank0)
-        self.blocks = table.blocks
+                held[blk.start : blk.start + blk.size] = False
+                held[blk.start + lay.index[0][lay.index[0] >= 0]] = True
+        self.rank0 = np.where(rank >= 0, rank == 0, held[table.base_of()])
 
-    def on_rank0(self, atom: int) -> bool:
-        if atom < 0:
-            return True
-        r = int(self.a.part.rank_of_atom[atom])
-        if r >= 0:
-            return r == 0
-        b = int(self.base[atom])
-        for blk in self.blocks:
-            if blk.start <= b < blk.start + blk.size:
-                members = self.rank0.get(blk.start)
-                return True if members is None else b in members
-        return True
-
-    def line(self, v: Feat, nd: int, d: int) -> np.ndarray:
-        atoms = v.atoms.reshape((1,) * (nd - v.atoms.ndim) + v.atoms.shape)
+    def line(self, node: fx.Node, d: int) -> np.ndarray:
+        """The atoms along dim ``d`` of ``node`` (first position of every other dim)."""
+        v = self.a.an.value.get(node)
+        atoms = self.a.an.aligned_to(v.atoms, self.a.an.ndim(node))
         return np.moveaxis(atoms, d, 0).reshape(atoms.shape[d], -1)[:, 0]
 
+    def count(self, line: np.ndarray) -> int:
+        return int(np.where(line < 0, True, self.rank0[np.clip(line, 0, None)]).sum())
+
     def size(self, node: fx.Node, d: int) -> int:
-        v = self.a.an.value.get(node)
         shape = self.a.an.shape(node)
-        if not isinstance(v, Feat):
+        if not isinstance(self.a.an.value.get(node), Feat):
             return shape[d]
-        line = self.line(v, len(shape), d)
-        if line.size == 1:
-            return shape[d]
-        return int(sum(self.on_rank0(int(x)) for x in line))
+        line = self.line(node, d)
+        return shape[d] if line.size == 1 else self.count(line)
 
     def carries(self, node: fx.Node, d: int) -> bool:
         """Does dim ``d`` of ``node`` carry distinct features?"""
-        v = self.a.an.value.get(node)
-        return isinstance(v, Feat) and self.line(v, self.a.an.ndim(node), d).size > 1
+        return isinstance(self.a.an.value.get(node), Feat) and self.line(node, d).size > 1
 
     def prefix(self, node: fx.Node, d: int, stop: int) -> int:
-        v = self.a.an.value.get(node)
-        line = self.line(v, self.a.an.ndim(node), d)
-        return int(sum(self.on_rank0(int(x)) for x in line[:stop]))
+        return self.count(self.line(node, d)[:stop])
 
 
 def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:

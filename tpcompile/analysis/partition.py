@@ -71,6 +71,7 @@ class Partition:
     # rank holding each atom; -1 unplaced, -2 held by several ranks (replicated KV head)
     rank_of_atom: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     label: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    base: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # atom -> param atom
 
 
 @dataclass
@@ -195,7 +196,7 @@ def partition(an: Analysis, tp: int) -> Partition:
     """Split every region's units over ``tp`` ranks; report regions that cannot split."""
     f = _facts(an)
     table = an.atoms
-    result = Partition(tp=tp, label=f.label)
+    result = Partition(tp=tp, label=f.label, base=f.base)
     rank_of_atom = np.full(table.size, -1, dtype=np.int64)
     for region in _regions(an, f):
         n = region.classes.size

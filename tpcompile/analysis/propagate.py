@@ -82,9 +82,6 @@ class RuleSet:
             hit = self.by_op.get(target.overloadpacket)
         return hit
 
-    def names(self) -> list[str]:
-        return sorted({r.name for r in self.by_op.values()})
-
 
 def innermost_module(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
@@ -113,11 +110,10 @@ class Analysis:
         param_of_placeholder: dict[str, str],
         buffer_of_placeholder: dict[str, str],
         forced_replicated: set | None = None,
-        atoms: AtomTable | None = None,
     ) -> None:
         self.graph = graph
         self.rules = rules
-        self.atoms = atoms if atoms is not None else AtomTable()
+        self.atoms = AtomTable()
         self.forced_replicated = forced_replicated or set()
         self.value: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
@@ -160,19 +156,14 @@ class Analysis:
         r = self.rules.find(node.target)
         if r is not None:
             return r.fn(self, node)
-        feats = [self.value.get(a) for a in node.all_input_nodes]
-        if any(isinstance(v, Feat | Partial) for v in feats):
-            atoms = [v.atoms.reshape(-1) for v in feats if isinstance(v, Feat)]
-            self.poison.append(
-                Poison(
-                    node,
-                    f"no rule for op {_op_name(node.target)} on sharded features "
-                    f"(in module {innermost_module(node) or '<root>'})",
-                    np.concatenate(atoms) if atoms else np.zeros(0, np.int64),
-                    unknown_op=True,
-                )
+        vals = [self.value.get(a) for a in node.all_input_nodes]
+        if any(isinstance(v, Feat | Partial) for v in vals):
+            reason = (
+                f"no rule for op {_op_name(node.target)} on sharded features "
+                f"(in module {innermost_module(node) or '<root>'})"
             )
-            self._reduce_partials(node)
+            self.poison_node(node, reason, *vals, unknown_op=True)
+            self.reduce_partials(node)
         return None
 
     def _output(self, node: fx.Node) -> None:
@@ -229,13 +220,14 @@ class Analysis:
         """``atoms`` with leading size-1 dims added to reach ``ndim``."""
         return atoms.reshape((1,) * (ndim - atoms.ndim) + atoms.shape)
 
-    def poison_node(self, node: fx.Node, reason: str, *vals: Any) -> None:
+    def poison_node(self, node: fx.Node, reason: str, *vals: Any, unknown_op: bool = False) -> None:
+        """Record that ``node`` cannot keep the features of ``vals`` sharded."""
         atoms = [v.atoms.reshape(-1) for v in vals if isinstance(v, Feat)]
-        self.poison.append(
-            Poison(node, reason, np.concatenate(atoms) if atoms else np.zeros(0, np.int64))
-        )
+        flat = np.concatenate(atoms) if atoms else np.zeros(0, np.int64)
+        self.poison.append(Poison(node, reason, flat, unknown_op=unknown_op))
 
-    def _reduce_partials(self, node: fx.Node) -> None:
+    def reduce_partials(self, node: fx.Node) -> None:
+        """Record that ``node`` needs its partial-sum inputs all-reduced first."""
         rows: list[int] = []
         for a in node.all_input_nodes:
             v = self.value.get(a)
@@ -243,10 +235,6 @@ class Analysis:
                 rows.extend(v.rows)
         if rows:
             self.reduce_points.append(ReducePoint(node, tuple(rows)))
-
-    def reduce_partials(self, node: fx.Node) -> None:
-        """Record that ``node`` needs its partial-sum inputs all-reduced first."""
-        self._reduce_partials(node)
 
     def normalize(self, atoms: np.ndarray) -> np.ndarray:
         """Collapse dims along which every atom is the same (no distinct features)."""

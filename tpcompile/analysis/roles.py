@@ -8,7 +8,6 @@ propagated again, until nothing changes.  Then every parameter gets its role.
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch.fx as fx
 
 from ..errors import TPError
+from ..plan import key_matches
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
 from .state import ParamRef
@@ -38,18 +38,12 @@ class Analyzed:
     passes: int = 0
 
 
-def _match(key: str, fqn: str) -> bool:
-    if key.startswith("re:"):
-        return re.fullmatch(key[3:], fqn) is not None
-    return key == fqn
-
-
-def _region_fqns(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
+def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
     """Blocks ``(fqn, dim)`` of every region the given atoms belong to (to force replicated)."""
     atoms = atoms[atoms >= 0]
     if atoms.size == 0:
         return set()
-    base = an.atoms.base_of()
+    base = part.base
     label = part.label
     hit_classes = set(np.unique(label[atoms]).tolist()) | set(np.unique(label[base[atoms]]).tolist())
     keys: set = set()
@@ -73,7 +67,7 @@ def _varies(ranks: np.ndarray, d: int) -> bool:
     return bool((both & (ranks != ref)).any())
 
 
-def _aligned_checks(a: Analyzed, strict: bool) -> set:
+def _aligned_checks(a: Analyzed) -> set:
     """Resolve elementwise meetings of unsharded values with sharded features."""
     force: set = set()
     an, part = a.an, a.part
@@ -94,11 +88,11 @@ def _aligned_checks(a: Analyzed, strict: bool) -> set:
                 pd = ref.dims[d - offset] if d - offset >= 0 else None
                 lay = _slice_layout(ref.fqn, pd, ranks, d, part.tp)
                 if lay is None:
-                    force |= _region_fqns(part, an, ev.atoms.reshape(-1))
+                    force |= _region_blocks(part, an, ev.atoms.reshape(-1))
                     continue
                 prev = a.layouts.get(ref.fqn)
                 if prev is not None and (prev.dim != lay.dim or not np.array_equal(prev.index, lay.index)):
-                    force |= _region_fqns(part, an, ev.atoms.reshape(-1))
+                    force |= _region_blocks(part, an, ev.atoms.reshape(-1))
                     continue
                 a.layouts[ref.fqn] = lay
             if shared and not ref.is_buffer and not sliced:
@@ -111,7 +105,7 @@ def _aligned_checks(a: Analyzed, strict: bool) -> set:
                 f"activation {node.name} ({module_path(ev.node)[-1:] or ['<root>']}) {what}; "
                 "kept the region replicated"
             )
-            force |= _region_fqns(part, an, ev.atoms.reshape(-1))
+            force |= _region_blocks(part, an, ev.atoms.reshape(-1))
     return force
 
 
@@ -133,11 +127,11 @@ def _reduce_checks(an: Analysis, part: Partition) -> set:
         for ri in rp.rows:
             row = an.rows[ri]
             if (row.fqn, row.in_dim) in part.layouts and row.module in path:
-                force |= _region_fqns(part, an, row.atoms)
+                force |= _region_blocks(part, an, row.atoms)
     return force
 
 
-def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set[str]:
+def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set:
     new: set = set()
     for f in part.failures:
         if f.single_unit:
@@ -164,7 +158,7 @@ def analyze(
 ) -> Analyzed:
     """Propagate and partition until stable; see module docstring."""
     all_params = set(param_of_placeholder.values())
-    forced = {f for f in all_params for k, v in (overrides or {}).items() if v == "replicated" and _match(k, f)}
+    forced = {f for f in all_params for k, v in (overrides or {}).items() if v == "replicated" and key_matches(k, f)}
     notes: list[str] = []
     for n_pass in range(1, max_passes + 1):
         an = Analysis(
@@ -177,7 +171,7 @@ def analyze(
         # hidden size) and small lookup tables (positions, token types) stay replicated
         new = _structural(an, part, outputs)
         for p in an.poison:
-            touched = _region_fqns(part, an, p.atoms)
+            touched = _region_blocks(part, an, p.atoms)
             if touched and touched <= new | forced:
                 continue  # the region is replicated anyway (an MoE router's top-k, say)
             if p.unknown_op and strict:
@@ -208,7 +202,7 @@ def analyze(
         for key, lay in part.layouts.items():
             if key[0] not in forced and key not in forced:
                 a.layouts[key[0]] = lay
-        new = (_aligned_checks(a, strict) | _reduce_checks(an, part)) - forced
+        new = (_aligned_checks(a) | _reduce_checks(an, part)) - forced
         if not new:
             _assign(a, outputs)
             return a

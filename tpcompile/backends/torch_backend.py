@@ -101,7 +101,7 @@ class TorchBackend:
             for n, pp in (replicas or {}).items()
         }
         grad_names = set(mplan.grad_allreduce)
-        row_biases = [b.rsplit(".", 1)[-1] for b in mplan.row_biases]
+        row_biases = mplan.row_biases
         state: dict[str, Any] = {}
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -109,7 +109,7 @@ class TorchBackend:
             for name in swaps:
                 p = mod._parameters[name]
                 saved[name] = p
-                local = p.to_local() if isinstance(p, DTensor) else p
+                local = _local(p)
                 if name in replica_index:
                     local = _ReplicaGradSum.apply(local, *replica_index[name], group)
                 mod._parameters[name] = local
@@ -121,7 +121,7 @@ class TorchBackend:
                 p = mod._parameters[name]
                 saved.setdefault(name, p)
                 # the bias is added once, after the all-reduce (post hook)
-                mod._parameters[name] = torch.zeros_like(p.to_local() if isinstance(p, DTensor) else p)
+                mod._parameters[name] = torch.zeros_like(_local(p))
             state["saved"] = saved
             if mplan.copy_inputs:
                 def copy(t: torch.Tensor) -> torch.Tensor:
@@ -152,8 +152,7 @@ class TorchBackend:
                     return comm.reduce_from_tp(t, group) if t.is_floating_point() else t
                 out = _map_tensors(out, reduce)
                 for name in row_biases:
-                    bias = saved[name]
-                    out = out + (bias.to_local() if isinstance(bias, DTensor) else bias)
+                    out = out + _local(saved[name])
             if mplan.gather_output:
                 def gather(t: torch.Tensor) -> torch.Tensor:
                     full = comm.gather_from_tp(t, group, dim=-1)
@@ -188,6 +187,11 @@ class _ReplicaGradSum(torch.autograd.Function):
         full = grad.new_zeros(shape).index_add_(ctx.dim, index, grad)
         torch.distributed.all_reduce(full, group=ctx.group)
         return full.index_select(ctx.dim, index), None, None, None, None
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor behind a (possibly DTensor) parameter; differentiable."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
