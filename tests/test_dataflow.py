@@ -209,3 +209,31 @@ def test_te_backend_explains_itself_without_cuda() -> None:
         _backend("te", DeviceMesh.__new__(DeviceMesh))
     with pytest.raises(TPError, match="backend must be one of"):
         _backend("mystery", DeviceMesh.__new__(DeviceMesh))
+
+
+def _fixups(model: torch.nn.Module, tp: int) -> dict[str, dict[str, list[int]]]:
+    plan = tpcompile.plan_model(model, tp=tp)
+    return {k: v.attr_fixups for k, v in plan.modules.items() if v.attr_fixups}
+
+
+def test_fixups_are_exactly_the_sizes_the_trace_uses() -> None:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+        llama_kv1 = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=1))
+    fix = _fixups(gpt2, 2)
+    # embed_dim / num_heads / config.n_embd equal sharded sizes too, but the forward
+    # never turns them into a shape: only split_size and Conv1D.nf are rewritten
+    assert fix["transformer.h.0.attn"] == {"split_size": [64, 32]}
+    assert fix["transformer.h.0.attn.c_attn"] == {"nf": [192, 96]}
+    assert _fixups(llama_kv1, 2)["model.layers.1.self_attn"] == {"num_key_value_groups": [4, 2]}
+
+
+def test_coincidental_attribute_values_are_left_alone() -> None:
+    from tpcompile.presets import build_meta_model
+
+    # Gemma-2-9B: sliding_window 4096 equals the query width; Llama-3-8B: 32 layers
+    # equal 32 heads. Neither attribute shapes a tensor in attention.
+    assert _fixups(build_meta_model("gemma2"), 8) == {}
+    assert _fixups(build_meta_model("llama"), 8) == {}

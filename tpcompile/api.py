@@ -8,10 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .analysis.fixups import find_fixups
+from .analysis.fixups import find_fixups, verify_fixups
 from .analysis.propagate import Rule, RuleSet
 from .analysis.roles import analyze
 from .capture import capture
@@ -65,6 +66,11 @@ def plan_model(
         strict=strict, overrides=overrides,
     )
     fixups = find_fixups(a, model) if tp > 1 else {}
+    if fixups:
+        def retrace() -> fx.Graph:
+            return capture(model, example_args=example_args, example_kwargs=example_kwargs).graph
+
+        fixups = verify_fixups(model, fixups, cap.graph, retrace)
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
     _check_overrides(plan, overrides)
     plan.stats = {

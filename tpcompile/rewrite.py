@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .analysis.fixups import apply_fixups
 from .analysis.roles import Analyzed
 from .capture import Capture
 from .errors import TPError
@@ -114,34 +115,6 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     return plan
 
 
-class _ConfigView:
-    """A module's own view of a shared config with some sizes made rank-local."""
-
-    def __init__(self, base: Any, overrides: dict[str, int]) -> None:
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_overrides", overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        overrides = object.__getattribute__(self, "_overrides")
-        if name in overrides:
-            return overrides[name]
-        return getattr(object.__getattribute__(self, "_base"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(object.__getattribute__(self, "_base"), name, value)
-
-
-def _apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:
-    config_over: dict[str, int] = {}
-    for attr, (_, local) in fixups.items():
-        if attr.startswith("config."):
-            config_over[attr[len("config."):]] = local
-        else:
-            setattr(module, attr, local)
-    if config_over:
-        module.config = _ConfigView(module.config, config_over)
-
-
 def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     """Shard parameters and install hooks per ``plan`` (in place)."""
     mods = dict(model.named_modules())
@@ -179,7 +152,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
-            _apply_fixups(mods[mname], mp.attr_fixups)
+            apply_fixups(mods[mname], mp.attr_fixups)
     model.tpcompile_plan = plan
     return model
 

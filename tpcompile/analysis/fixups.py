@@ -7,12 +7,18 @@ The traced graph holds each such size as a constant in a view / expand / split /
 whose output carries sharded features.  Comparing that constant with the local size the
 partition implies gives pairs ``global → local`` per module; an integer attribute of that
 module (or of its ``config``) equal to a global value with one unambiguous local value is
-rewritten.
+a *candidate*.  Values can coincide (Gemma-2-9B's ``sliding_window`` is 4096, its query
+width too), so :func:`verify_fixups` keeps a candidate only if setting it to its local
+value changes the traced graph: an attribute the forward never turns into a shape is
+left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +29,7 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["find_fixups"]
+__all__ = ["apply_fixups", "find_fixups", "verify_fixups"]
 
 aten = torch.ops.aten
 
@@ -150,3 +156,69 @@ def find_fixups(a: Analyzed, model: nn.Module) -> dict[str, dict[str, list[int]]
         if changes:
             result[mod_name] = changes
     return result
+
+
+class _ConfigView:
+    """A module's own view of a shared config with some sizes made rank-local."""
+
+    def __init__(self, base: Any, overrides: dict[str, int]) -> None:
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_base"), name, value)
+
+
+def apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:
+    """Set ``module``'s attributes (and its private config view) to their local values."""
+    config_over: dict[str, int] = {}
+    for attr, (_, local) in fixups.items():
+        if attr.startswith("config."):
+            config_over[attr[len("config."):]] = local
+        else:
+            setattr(module, attr, local)
+    if config_over:
+        module.config = _ConfigView(module.config, config_over)
+
+
+@contextlib.contextmanager
+def _patched(module: nn.Module, attr: str, local: int) -> Iterator[None]:
+    saved = dict(vars(module))
+    try:
+        apply_fixups(module, {attr: [0, local]})
+        yield
+    finally:
+        module.__dict__.clear()
+        module.__dict__.update(saved)
+
+
+def _signature(graph: fx.Graph) -> list[tuple[str, str, str]]:
+    return [(n.op, str(n.target), repr(n.args)) for n in graph.nodes]
+
+
+def verify_fixups(
+    model: nn.Module,
+    fixups: dict[str, dict[str, list[int]]],
+    baseline: fx.Graph,
+    retrace: Callable[[], fx.Graph],
+) -> dict[str, dict[str, list[int]]]:
+    """Keep the candidates whose local value changes (or breaks) the traced graph."""
+    want = _signature(baseline)
+    mods = dict(model.named_modules())
+    kept: dict[str, dict[str, list[int]]] = {}
+    for mod_name, changes in fixups.items():
+        for attr, (glob, local) in changes.items():
+            with _patched(mods[mod_name], attr, local):
+                try:
+                    matters = _signature(retrace()) != want
+                except Exception:  # the new value reaches a shape and breaks the trace
+                    matters = True
+            if matters:
+                kept.setdefault(mod_name, {})[attr] = [glob, local]
+    return kept
