@@ -125,6 +125,8 @@ class Plan:
     params: dict[str, ParamPlan] = field(default_factory=dict)
     modules: dict[str, ModulePlan] = field(default_factory=dict)
     loss_parallel: bool = False
+    # the repeated transformer blocks the capture found (FSDP wrap units, checkpoint units)
+    blocks: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION

@@ -112,6 +112,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         if fixups and rep in fixups:
             mod_plan(mname).attr_fixups = dict(fixups[rep])
     plan.modules = dict(sorted(modules.items()))
+    plan.blocks = [f"{stack}.{i}" for stack, reps in cap.stacks.members.items() for i in range(len(reps))]
     return plan
 
 
