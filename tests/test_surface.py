@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_public_api_names_are_frozen() -> None:
     assert sorted(tpcompile.__all__) == [
-        "ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "plan_model", "transform",
+        "ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable", "from_pretrained",
+        "hf_state_dict", "load_hf_weights", "plan_model", "save_pretrained", "transform",
     ]
 
 

@@ -10,8 +10,13 @@ around the model's own code.
 from __future__ import annotations
 
 from .api import plan_model, transform
+from .checkpoint import from_pretrained, hf_state_dict, load_hf_weights, save_pretrained
 from .errors import TPError
 from .plan import ModulePlan, ParamPlan, Plan, Role
+from .translate import TranslationTable
 
-__all__ = ["ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "plan_model", "transform"]
+__all__ = [
+    "ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable", "from_pretrained",
+    "hf_state_dict", "load_hf_weights", "plan_model", "save_pretrained", "transform",
+]
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ from .capture import capture
 from .errors import TPError
 from .plan import Plan, key_matches
 from .rewrite import apply_plan, build_plan
+from .translate import build_table
 
 __all__ = ["plan_model", "transform"]
 
@@ -144,6 +145,7 @@ def transform(
     rules: Iterable[Rule] | None = None,
     overrides: dict[str, str] | None = None,
     strict: bool = True,
+    load_state_dict_from_rank0: bool = False,
 ) -> nn.Module:
     """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
 
@@ -164,6 +166,12 @@ def transform(
         rules: extra propagation rules (see ``tpcompile.rules``).
         overrides: ``{fqn or "re:<regex>": "replicated"}`` to keep parameters replicated.
         strict: raise on ops no rule can place; ``False`` replicates them with a warning.
+        load_state_dict_from_rank0: rank 0 holds the real weights, the other ranks may
+            have built the model on the meta device; rank 0 sends each rank its shards.
+
+    The result carries ``model.tpcompile_plan`` (the :class:`Plan`) and
+    ``model.tpcompile_table`` (the :class:`~tpcompile.translate.TranslationTable`
+    between HF and per-rank layouts, used by every checkpoint function).
 
     Example:
         >>> dist.init_process_group("gloo")                       # doctest: +SKIP
@@ -176,11 +184,20 @@ def transform(
     tp_mesh = _resolve_mesh(model, tp, mesh)
     be = _backend(backend, tp_mesh)
     plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides, strict=strict)
+    table = build_table(model, plan)
+    full = None
+    if load_state_dict_from_rank0 and dist.get_rank() == 0:
+        full = dict(model.state_dict())  # the real tensors, released one by one while sent
     apply_plan(model, plan, be)
     if loss_parallel:
         from .loss_patch import install_loss_parallel
 
         install_loss_parallel(model, plan, be)
     model.tpcompile_mesh = tp_mesh
+    model.tpcompile_table = table
+    if load_state_dict_from_rank0:
+        from .checkpoint.pretrained import scatter_from_rank0
+
+        scatter_from_rank0(model, table, full)
     return model
 

@@ -1,0 +1,330 @@
+"""Hugging Face format in and out of a transformed model, one tensor at a time.
+
+* :func:`hf_state_dict` — the untransformed model's ``state_dict()`` (same keys, shapes,
+  dtypes, values), gathered tensor by tensor onto rank 0;
+* :func:`save_pretrained` — an HF directory (safetensors shards + index + config +
+  generation config) that ``transformers.AutoModel*.from_pretrained`` loads without
+  tpcompile; rank 0's extra memory is one tensor, because the safetensors header is
+  written from the translation table before any data is gathered;
+* :func:`load_hf_weights` — each rank reads only its own rows of each tensor from an
+  HF directory (``pread``, no memory map), so a checkpoint loads at any ``tp`` without
+  any rank holding the model;
+* :func:`from_pretrained` — config → model with parameters on the meta device →
+  ``transform`` → :func:`load_hf_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import TPError
+from ..translate import TensorMap, TranslationTable
+from .atomic import atomic_dir
+from .safetensors_io import SliceReader, StreamWriter
+from .shards import TPContext, assign_tp_local, lookup, tp_context, tp_local
+
+__all__ = [
+    "FULL_FORMAT", "file_names", "hf_state_dict", "iter_hf_tensors", "load_hf_weights", "nbytes",
+    "parse_size", "save_pretrained", "split_by_size",
+]
+
+FULL_FORMAT = "tpcompile-full"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+META_NAME = "tpcompile.json"
+
+
+def table_of(model: nn.Module) -> TranslationTable:
+    table = getattr(model, "tpcompile_table", None)
+    if table is None:
+        raise TPError("this model was not transformed by tpcompile (no model.tpcompile_table); "
+                      "call tpcompile.transform(model, tp) first")
+    return table
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gather(t: TensorMap, local: torch.Tensor, ctx: TPContext, dst: int | None) -> list[torch.Tensor] | None:
+    """Every TP rank's shard, on TP-group rank ``dst`` (``None``: on all of them)."""
+    if ctx.size == 1:
+        return [local]
+    local = local.contiguous()
+    if dst is None:
+        out = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(out, local, group=ctx.group)
+        return out
+    out = [torch.empty_like(local) for _ in range(ctx.size)] if ctx.rank == dst else None
+    dist.gather(local, out, group=ctx.group, group_dst=dst)
+    return out
+
+
+def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_only: bool = True,
+                    cpu_offload: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Yield ``(key, hf_tensor)`` one key at a time; ``None`` on ranks that do not keep it.
+
+    Every rank must iterate to the end (each step is a collective).
+    """
+    table = table_of(model)
+    ctx = tp_context(model)
+    keys = table.saved_keys() if keys is None else keys
+    # with data parallelism, only the TP group holding global rank 0 needs to gather
+    wanted = not rank0_only or 0 in ctx.ranks or ctx.size == 1
+    keep = not rank0_only or _rank() == 0
+    for key in keys:
+        t = table.tensors[key]
+        local = tp_local(lookup(model, key)[2])
+        if t.sharded and wanted:
+            parts = _gather(t, local, ctx, None if not rank0_only else 0)
+            hf = t.to_hf(parts) if parts is not None else None
+        else:
+            hf = local
+        if not keep or hf is None:
+            yield key, None
+            continue
+        yield key, hf.cpu() if cpu_offload else hf
+
+
+def hf_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """The full state dict of the untransformed model: same keys, shapes, dtypes, values.
+
+    Gathered one tensor at a time; with ``rank0_only`` other ranks return ``{}``.
+    Tied weights appear under each of their names, sharing one tensor, as in
+    ``model.state_dict()``.
+
+    Example:
+        >>> sd = tpcompile.hf_state_dict(model)                          # doctest: +SKIP
+        >>> reference.load_state_dict(sd)   # on rank 0
+    """
+    table = table_of(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, hf in iter_hf_tensors(model, rank0_only=rank0_only, cpu_offload=cpu_offload):
+        if hf is not None:
+            out[key] = hf
+    if not out:
+        return out
+    return {k: out[t.saved_as] for k, t in table.tensors.items()}
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` → 5·10⁹ bytes (``GiB`` is binary), as ``transformers`` reads it."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", size.upper())
+    if not m:
+        raise TPError(f"max_shard_size {size!r} is not a size like '5GB' or '500MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def split_by_size(items: list[Any], sizes: list[int], limit: int) -> list[list[Any]]:
+    """Greedy, order-keeping split into files of at most ``limit`` bytes (a tensor
+    larger than the limit gets a file of its own), as ``transformers`` shards."""
+    files: list[list[Any]] = [[]]
+    used = 0
+    for item, n in zip(items, sizes, strict=True):
+        if files[-1] and used + n > limit:
+            files.append([])
+            used = 0
+        files[-1].append(item)
+        used += n
+    return files
+
+
+def file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    n = torch.empty(0, dtype=dtype).element_size()
+    for s in shape:
+        n *= s
+    return n
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TPError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_on_save: bool = True,
+                    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+                    overwrite: bool = True) -> Path:
+    """Write an HF checkpoint directory from a transformed model (all ranks call this).
+
+    ``translate_on_save=True`` (default) writes exactly what ``model.save_pretrained``
+    of the untransformed model would: ``from_pretrained`` loads it without tpcompile.
+    ``False`` writes tpcompile's full format: the same tensors plus ``tpcompile.json``
+    (plan and translation table), restorable at any ``tp``.  The directory appears
+    atomically: an interrupted save leaves any previous checkpoint untouched.
+
+    Example:
+        >>> tpcompile.save_pretrained(model, "out/final")                # doctest: +SKIP
+        >>> AutoModelForCausalLM.from_pretrained("out/final")  # plain transformers
+    """
+    table = table_of(model)
+    keys = table.saved_keys()
+    sizes = [nbytes(dtype or _dtype(table.tensors[k].dtype), table.tensors[k].shape) for k in keys]
+    files = split_by_size(keys, sizes, parse_size(max_shard_size))
+    names = file_names(len(files))
+    out_dir = Path(out_dir)
+    rank = _rank()
+    error: str | None = None
+    stream = iter_hf_tensors(model, keys)
+    if rank != 0:
+        for _ in stream:  # take part in every gather
+            pass
+    else:
+        try:
+            with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+                _write_hf_dir(model, table, tmp, files, names, stream, dtype, translate_on_save)
+        except Exception as err:  # noqa: BLE001 - broadcast to all ranks below
+            error = f"{type(err).__name__}: {err}"
+            for _ in stream:  # keep the other ranks' collectives matched
+                pass
+    if dist.is_available() and dist.is_initialized():
+        box: list[object] = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]  # type: ignore[assignment]
+    if error:
+        raise TPError(f"save_pretrained to {out_dir} failed on rank 0: {error}")
+    return out_dir
+
+
+def _write_hf_dir(model: nn.Module, table: TranslationTable, tmp: Path, files: list[list[str]],
+                  names: list[str], stream: Iterator[tuple[str, torch.Tensor | None]],
+                  dtype: torch.dtype | None, native: bool) -> None:
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.save_pretrained(tmp)
+        if dtype is not None:
+            cfg = json.loads((tmp / "config.json").read_text())
+            cfg["dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        gen.save_pretrained(tmp)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for keys, name in zip(files, names, strict=True):
+        entries = [(k, dtype or _dtype(table.tensors[k].dtype), table.tensors[k].shape) for k in keys]
+        with StreamWriter(tmp / name, entries) as w:
+            for k in keys:
+                key, hf = next(stream)
+                assert key == k and hf is not None
+                w.write(key, hf.to(dtype) if dtype is not None else hf)
+                weight_map[key] = name
+            total += w.bytes_written
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    if not native:
+        meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict(), "table": table.to_dict()}
+        (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
+
+
+# ---- loading ------------------------------------------------------------------------
+
+
+def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
+    """``{tensor key: file}`` of an HF safetensors directory, every file checked."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TPError(f"{path} is not a checkpoint directory")
+    index = path / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise TPError(f"{index} is not a valid safetensors index ({err})") from None
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE_NAME).exists():
+        files = [SINGLE_NAME]
+    else:
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        hint = f" (found {found} but no {INDEX_NAME})" if found else ""
+        raise TPError(f"{path} holds no {SINGLE_NAME} or {INDEX_NAME}{hint}; an incomplete save?")
+    out: dict[str, Path] = {}
+    for name in files:
+        f = path / name
+        if not f.exists():
+            raise TPError(f"{path}: shard file {name} listed in {INDEX_NAME} is missing")
+        with SliceReader(f) as r:  # header + size check: truncated files fail here
+            for k in r.keys():
+                out[k] = f
+    return out
+
+
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> dict[str, Any]:
+    """Load an HF safetensors directory into a transformed model, each rank reading only
+    its own rows of each tensor.  Parameters on the meta device are materialized.
+
+    Returns ``{"bytes_read", "tensors"}`` for this rank.
+
+    Example:
+        >>> with torch.device("meta"):                                   # doctest: +SKIP
+        ...     model = AutoModelForCausalLM.from_config(config)
+        >>> tpcompile.transform(model, tp=8)
+        >>> tpcompile.load_hf_weights(model, "Llama-3-70B/")
+    """
+    table = table_of(model)
+    ctx = tp_context(model)
+    where = checkpoint_files(path)
+    missing = [k for k in table.saved_keys() if k not in where and table.tensors[k].kind == "param"]
+    unexpected = sorted(set(where) - set(table.tensors))
+    if strict and (missing or unexpected):
+        raise TPError(
+            f"{path} does not match {table.model_class}: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''} (another architecture, or a legacy layout "
+            "this transformers version renames on load: load it once with transformers and re-save)"
+        )
+    readers: dict[Path, SliceReader] = {}
+    loaded = 0
+    try:
+        for key in table.saved_keys():
+            if key not in where:
+                continue  # a buffer the checkpoint does not store keeps its own value
+            f = where[key]
+            r = readers.get(f) or readers.setdefault(f, SliceReader(f))
+            local = _read_local(r, table.tensors[key], ctx.rank)
+            assign_tp_local(model, key, local, table.aliases(key))
+            loaded += 1
+    finally:
+        for r in readers.values():
+            r.close()
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if still_meta:
+        raise TPError(f"{path} left parameters uninitialized on the meta device: {still_meta[:5]}")
+    return {"bytes_read": sum(r.bytes_read for r in readers.values()), "tensors": loaded}
+
+
+def _read_local(r: SliceReader, t: TensorMap, rank: int) -> torch.Tensor:
+    dtype, shape = r.info(t.key)
+    if shape != t.shape:
+        raise TPError(f"{r.path}: {t.key} has shape {shape}, the model expects {t.shape} "
+                      "(a checkpoint of another architecture or config?)")
+    if not t.sharded:
+        return r.read(t.key)
+    local_shape = t.local_shape()
+    local = torch.zeros(local_shape, dtype=dtype)  # padding rows stay zero
+    for pos, a, b in t.read_runs(rank):
+        local.narrow(t.shard_dim, pos, b - a).copy_(r.read(t.key, t.shard_dim, [(a, b)]))
+    return local
