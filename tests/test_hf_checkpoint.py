@@ -69,3 +69,251 @@ def test_hf_state_dict_is_bit_exact_for_every_family(world: int) -> None:
     for result in run_distributed(_round_trip, world, cases):
         bad = {k: v for k, v in result.items() if v}
         assert not bad, bad
+
+
+SAVE_FAMILIES = ["llama", "gpt2", "phi3", "gemma2", "mixtral"]  # plain, tied+Conv1D, fused, tied, MoE
+IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def _train_and_save(rank: int, world: int, root: str) -> dict[str, list]:
+    logits = {}
+    for name in SAVE_FAMILIES:
+        model = _build(name)
+        tpcompile.transform(model, tp=world)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.train()
+        model(IDS, labels=IDS).loss.backward()
+        opt.step()
+        model.eval()
+        tpcompile.save_pretrained(model, Path(root) / name, max_shard_size="40KB")
+        with torch.no_grad():
+            logits[name] = model(IDS).logits.tolist()
+    return logits
+
+
+_PLAIN_LOAD = """
+import sys, json, torch
+sys.modules["tpcompile"] = None  # prove the directory needs no tpcompile
+from transformers import AutoModelForCausalLM
+ids = torch.tensor(json.loads(sys.argv[2]))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+with torch.no_grad():
+    print(json.dumps(model(ids).logits.tolist()))
+"""
+
+
+@pytest.mark.slow
+def test_save_pretrained_loads_with_plain_transformers(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    got = run_distributed(_train_and_save, 2, str(tmp_path))[0]
+    for name in SAVE_FAMILIES:
+        out = tmp_path / name
+        assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial left
+        proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(out), json.dumps(IDS.tolist())],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "were not initialized" not in proc.stderr and "MISSING" not in proc.stderr, proc.stderr
+        want = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+        torch.testing.assert_close(torch.tensor(got[name]), want, atol=1e-5, rtol=0)
+
+
+def _expected_bytes(model: torch.nn.Module) -> int:
+    """Bytes a rank must read: its non-padding rows of sharded tensors, all of the rest."""
+    from tpcompile.checkpoint.shards import tp_context
+
+    table, rank = model.tpcompile_table, tp_context(model).rank
+    total = 0
+    for key in table.saved_keys():
+        t = table.tensors[key]
+        numel = 1
+        for s in t.shape:
+            numel *= s
+        if t.sharded:
+            rows = sum(b - a for _, a, b in t.read_runs(rank))
+            numel = numel // t.shape[t.shard_dim] * rows
+        total += numel * getattr(torch, t.dtype).itemsize
+    return total
+
+
+def _shard_on_read(rank: int, world: int, root: str, cases: list) -> list[dict]:
+    import torch.distributed as dist
+
+    out = []
+    for name, overrides in cases:
+        path = Path(root) / f"{name}-{world}"
+        ref = _build(name, overrides)
+        if rank == 0:
+            ref.save_pretrained(path)  # transformers' own writer
+        dist.barrier()
+        model = tpcompile.from_pretrained(str(path), tp=world)
+        stats = model.tpcompile_load_stats
+        on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        with torch.no_grad():
+            err = (model(IDS).logits - ref(IDS).logits).abs().max().item()
+        out.append({"case": name, "err": err, "read": stats["bytes_read"],
+                    "expected": _expected_bytes(model), "on_disk": on_disk,
+                    "training": model.training})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_from_pretrained_reads_only_each_ranks_slices(tmp_path: Path, world: int) -> None:
+    cases = [("llama", {}), ("gpt2", {})] if world == 2 else [("llama", {"num_key_value_heads": 2})]
+    for per_rank in run_distributed(_shard_on_read, world, str(tmp_path), cases):
+        for r in per_rank:
+            assert r["err"] < 1e-5, r
+            assert r["read"] == r["expected"], r  # exactly its rows, nothing else
+            assert r["read"] < r["on_disk"] * (0.7 if world == 2 else 0.5), r
+            assert not r["training"]
+
+
+def _from_rank0(rank: int, world: int) -> float:
+    ref = _build("llama")
+    if rank == 0:
+        model = copy.deepcopy(ref)
+    else:
+        with torch.device("meta"):
+            model = _build("llama")
+    tpcompile.transform(model, tp=world, load_state_dict_from_rank0=True)
+    with torch.no_grad():
+        return (model(IDS).logits - ref(IDS).logits).abs().max().item()
+
+
+@pytest.mark.slow
+def test_load_state_dict_from_rank0_fills_meta_ranks() -> None:
+    assert max(run_distributed(_from_rank0, 2)) < 1e-5
+
+
+def _save_native(rank: int, world: int, root: str) -> None:
+    model = _build("llama")
+    tpcompile.transform(model, tp=world)
+    tpcompile.save_pretrained(model, Path(root) / "native", translate_on_save=False)
+
+
+@pytest.mark.slow
+def test_translate_cli_turns_native_checkpoint_into_hf(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tpcompile.cli import main
+
+    run_distributed(_save_native, 2, str(tmp_path))
+    native = tmp_path / "native"
+    meta = json.loads((native / "tpcompile.json").read_text())
+    assert meta["format"] == "tpcompile-full" and meta["table"]["tp"] == 2
+    assert main(["translate", str(native), str(tmp_path / "hf"), "--quiet"]) == 0
+    assert main(["translate", str(native), str(tmp_path / "hf-bf16"), "--dtype", "bf16", "--quiet"]) == 0
+    want = _build("llama").state_dict()
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert not _state_dict_diffs(got, want)
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-bf16", dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(half[k], want[k].bfloat16()) for k in want)
+    assert main(["translate", str(native), str(tmp_path / "hf"), "--quiet"]) == 2  # exists
+
+
+_KILLED_SAVE = """
+import os, sys, time, datetime
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+import tpcompile
+from tpcompile.checkpoint import safetensors_io
+from test_hf_checkpoint import _build
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=1)
+model = _build("llama")
+tpcompile.transform(model, tp=1)
+out = sys.argv[1]
+tpcompile.save_pretrained(model, out, max_shard_size="40KB")   # the good checkpoint
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)                                            # the next one differs
+writes = 0
+original = safetensors_io.StreamWriter.write
+def slow_write(self, name, tensor):
+    global writes
+    original(self, name, tensor)
+    writes += 1
+    if writes == 3:
+        print("MID-SAVE", flush=True)
+        time.sleep(600)                                        # killed here
+safetensors_io.StreamWriter.write = slow_write
+tpcompile.save_pretrained(model, out, max_shard_size="40KB")
+"""
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tpcompile.checkpoint.hf import load_hf_weights
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ckpt"
+    tests_dir = str(Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(out), tests_dir, str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "MID-SAVE" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    # the previous checkpoint is intact and loads with plain transformers
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert not _state_dict_diffs(got, _build("llama").state_dict())
+    partial = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial-")]
+    assert len(partial) == 1
+    model = _build("llama")
+    model.tpcompile_table = tpcompile.TranslationTable.from_dict(
+        json.loads(json.dumps(_table_tp1(model).to_dict())))
+    with pytest.raises(tpcompile.TPError, match="incomplete|truncated|missing"):
+        load_hf_weights(model, partial[0])
+
+
+def _table_tp1(model: torch.nn.Module) -> tpcompile.TranslationTable:
+    from tpcompile.translate import build_table
+
+    return build_table(model, tpcompile.plan_model(model, 1))
+
+
+def test_bad_checkpoints_fail_with_the_file_and_key_named(tmp_path: Path) -> None:
+    from tpcompile.checkpoint.hf import load_hf_weights
+
+    llama = _build("llama")
+    llama.save_pretrained(tmp_path / "llama", max_shard_size="40KB")
+    model = _build("llama")
+    model.tpcompile_table = _table_tp1(model)
+    stats = load_hf_weights(model, tmp_path / "llama")
+    assert stats["tensors"] == len(model.tpcompile_table.saved_keys())
+    # another architecture: keys named
+    _build("gpt2").save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(tpcompile.TPError, match=r"missing \['model.embed_tokens.weight'"):
+        load_hf_weights(model, tmp_path / "gpt2")
+    # same keys, other shapes
+    _build("llama", {"intermediate_size": 96}).save_pretrained(tmp_path / "wide")
+    with pytest.raises(tpcompile.TPError, match=r"mlp.gate_proj.weight has shape \[96, 64\]"):
+        load_hf_weights(model, tmp_path / "wide")
+    # a missing shard file
+    shards = sorted((tmp_path / "llama").glob("model-*.safetensors"))
+    shards[1].rename(tmp_path / "moved.safetensors")
+    with pytest.raises(tpcompile.TPError, match=f"shard file {shards[1].name} .* is missing"):
+        load_hf_weights(model, tmp_path / "llama")
+    (tmp_path / "moved.safetensors").rename(shards[1])
+    # a truncated file
+    data = shards[0].read_bytes()
+    shards[0].write_bytes(data[: len(data) - 100])
+    with pytest.raises(tpcompile.TPError, match=f"{shards[0].name} is truncated"):
+        load_hf_weights(model, tmp_path / "llama")
+    with pytest.raises(tpcompile.TPError, match="not transformed by tpcompile"):
+        tpcompile.hf_state_dict(_build("llama"))

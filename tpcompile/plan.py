@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = [
     "PLAN_VERSION", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs", "key_matches",
-    "runs_to_index",
+    "runs_to_index", "select_rows",
 ]
 
 PLAN_VERSION = 1
@@ -66,6 +67,18 @@ def index_to_runs(index: np.ndarray) -> list[list[list[int]]]:
             for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
         ])
     return out
+
+
+def select_rows(full: torch.Tensor, dim: int, index: np.ndarray) -> torch.Tensor:
+    """``full``'s entries ``index`` along ``dim``; ``-1`` (padding) entries are zeros."""
+    idx = torch.as_tensor(index, dtype=torch.long)
+    pad = idx < 0  # decided on the CPU: ``full`` may be on the meta device
+    local = full.index_select(dim, idx.clamp(min=0).to(full.device))
+    if bool(pad.any()) and full.device.type != "meta":
+        shape = [1] * local.dim()
+        shape[dim] = -1
+        local = local.masked_fill(pad.to(full.device).view(shape), 0)
+    return local.contiguous()
 
 
 def runs_to_index(runs: list[list[list[int]]]) -> np.ndarray:

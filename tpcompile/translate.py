@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .errors import TPError
-from .plan import Plan, runs_to_index
+from .plan import Plan, runs_to_index, select_rows
 
 __all__ = ["TABLE_VERSION", "TensorMap", "TranslationTable", "build_table"]
 
@@ -82,14 +82,7 @@ class TensorMap:
         self.check_hf(hf)
         if not self.sharded:
             return hf
-        idx = torch.as_tensor(self.index[rank], device=hf.device)
-        local = hf.index_select(self.shard_dim, idx.clamp(min=0))
-        pad = idx < 0
-        if bool(pad.any()) and hf.device.type != "meta":
-            shape = [1] * hf.dim()
-            shape[self.shard_dim] = -1
-            local = local.masked_fill(pad.view(shape), 0)
-        return local.contiguous()
+        return select_rows(hf, self.shard_dim, self.index[rank])
 
     @cached_property
     def _first_position(self) -> np.ndarray:

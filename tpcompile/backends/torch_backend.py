@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
-from ..plan import ModulePlan, ParamPlan
+from ..plan import ModulePlan, ParamPlan, select_rows
 
 __all__ = ["TorchBackend"]
 
@@ -62,14 +62,7 @@ class TorchBackend:
     def local_shard(self, full: torch.Tensor, plan: ParamPlan, rank: int | None = None) -> torch.Tensor:
         """This rank's shard of a full (HF-layout) tensor, per the plan's index map."""
         rank = self.rank if rank is None else rank
-        index = torch.as_tensor(plan.index()[rank], device=full.device)
-        pad = index < 0
-        local = full.index_select(plan.shard_dim, index.clamp(min=0))
-        if bool(pad.any()) and full.device.type != "meta":
-            shape = [1] * local.dim()
-            shape[plan.shard_dim] = -1
-            local = local.masked_fill(pad.view(shape), 0)
-        return local.contiguous()
+        return select_rows(full, plan.shard_dim, plan.index()[rank])
 
     def make_param(self, local: torch.Tensor, plan: ParamPlan, requires_grad: bool) -> nn.Parameter:
         global_shape = list(local.shape)

@@ -100,7 +100,7 @@ def from_pretrained(path: str | os.PathLike, tp: int, *, model_class: type | Non
         model = cls._from_config(config, **build_kwargs) if hasattr(cls, "_from_config") \
             else cls.from_config(config, **build_kwargs)
     transform(model, tp, **(transform_kwargs or {}))
-    load_hf_weights(model, path)
+    model.tpcompile_load_stats = load_hf_weights(model, path)
     if os.path.exists(os.path.join(path, "generation_config.json")) and hasattr(model, "generation_config"):
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained returns it
