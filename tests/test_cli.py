@@ -212,9 +212,11 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def test_cli_surface_frozen() -> None:
     subs = _subcommands(build_parser())
-    assert set(subs) == {"dump-plan", "demo"}
+    assert set(subs) == {"dump-plan", "demo", "translate"}
     flags = {s for a in subs["dump-plan"]._actions for s in a.option_strings}
-    assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers"}
+    assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table"}
+    tr_flags = {s for a in subs["translate"]._actions for s in a.option_strings}
+    assert tr_flags == {"-h", "--help", "--dtype", "--max-shard-size", "--overwrite", "--quiet"}
     positionals = [a.dest for a in subs["dump-plan"]._actions if not a.option_strings]
     assert positionals == ["name"]
     demo_flags = {s for a in subs["demo"]._actions for s in a.option_strings}
@@ -234,3 +236,14 @@ def test_demo_subprocess() -> None:
     assert "losses: match" in out and "tokens: match" in out
     assert out.count("  step ") == 3
     print(f"[demo --tp 2 --steps 3: {wall:.1f} s]")
+
+
+def test_dump_plan_table_shows_hf_rows_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump-plan", "gpt2", "--tp", "2", "--layers", "2", "--table"]) == 0
+    out = capsys.readouterr().out
+    # the fused Q|K|V projection: rank 0 takes the first half of each of q, k and v
+    assert "0:384 768:1152 1536:1920" in out and "384:768 1152:1536 1920:2304" in out
+    assert "25129:50257 pad×1" in out  # vocabulary 50257 padded to 2 × 25129
+    assert main(["dump-plan", "llama", "--tp", "2", "--layers", "1", "--table", "--format", "json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["tensors"]["lm_head.weight"]["runs"] == [[[0, 64128]], [[64128, 128256]]]
