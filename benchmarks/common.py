@@ -1,0 +1,101 @@
+"""Shared helpers of the benchmark sections: statistics, result rows, host info.
+
+A section returns a plain dict (JSON-serialisable) built with :func:`section_result`;
+each timed quantity is a row built with :func:`row`, so ``run.py`` can render every
+section with the same table code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["free_port", "host_info", "row", "section_result", "summarize"]
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float | int]:
+    """Median, min, max and inter-quartile range of ``samples`` (needs at least one)."""
+    if not samples:
+        raise ValueError("summarize() needs at least one sample")
+    xs = sorted(float(x) for x in samples)
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    else:
+        q1 = q3 = xs[0]
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1],
+            "q1": q1, "q3": q3, "n": len(xs)}
+
+
+def row(name: str, samples: Sequence[float] | None, *, unit: str = "s",
+        baseline: float | None = None, note: str = "", error: str | None = None,
+        **extra: Any) -> dict[str, Any]:
+    """One result row: ``name``, its statistics, ``ratio`` = median / ``baseline``.
+
+    A competitor that could not run gets ``samples=None`` and an ``error`` message, so
+    the table still says why it is missing instead of silently dropping it.
+    """
+    out: dict[str, Any] = {"name": name, "unit": unit, "note": note}
+    if samples:
+        out.update(summarize(samples))
+        out["samples"] = [round(float(x), 6) for x in samples]
+        out["ratio"] = out["median"] / baseline if baseline else None
+    else:
+        out.update(median=None, min=None, max=None, q1=None, q3=None, n=0, samples=[],
+                   ratio=None)
+    if error:
+        out["error"] = error
+    out.update(extra)
+    return out
+
+
+def section_result(title: str, rows: list[dict[str, Any]], *, ratio_of: str,
+                   notes: Sequence[str] = (), config: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The dict a section's ``run(quick)`` returns.
+
+    ``ratio_of`` explains what the ratio column divides by (e.g. "tpcompile default");
+    ``notes`` are free-text findings printed under the table.
+    """
+    return {"title": title, "ratio_of": ratio_of, "rows": rows, "notes": list(notes),
+            "config": dict(config or {})}
+
+
+def host_info() -> dict[str, Any]:
+    """Where the numbers were taken: cores, library versions, date."""
+    import torch
+    import transformers
+
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        affinity = os.cpu_count()
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": affinity,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
