@@ -1,0 +1,107 @@
+"""Bytes of saved activations for a small Llama: plain, checkpointing, offloading, both.
+
+Run: ``python benchmarks/activation_memory.py [--layers 8 --hidden 512 --batch 4 --seq 512]``
+
+"On device" is what autograd holds at the end of forward, measured with an outermost
+``saved_tensors_hooks`` that counts each saved tensor's storage once, parameters
+excluded; inside offloaded blocks the offloader's own hooks see the saves, so their
+device part is the offloader's ``kept_bytes`` and their host part its ``offloaded_bytes``.
+Not counted: tensors a checkpoint holds through its closure rather than saving
+(keyword arguments such as the rotary cos/sin, shared by all layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from torch import nn
+
+from tpcompile.activations import checkpoint_blocks, offload_activations
+from tpcompile.presets import tiny_config
+
+MIB = 1 << 20
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages saved for backward that are not parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                self.storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def build(layers: int, hidden: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(
+        "llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 11 // 4,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
+        vocab_size=4096, max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def measure(base: nn.Module, mode: str, ids: torch.Tensor, horizon: int) -> dict[str, float]:
+    model = copy.deepcopy(base)
+    blocks = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    if "checkpoint" in mode:
+        checkpoint_blocks(model, blocks)
+    handle = offload_activations(model, blocks, loading_horizon=horizon) if "offload" in mode else None
+    t0 = time.perf_counter()
+    saved = SavedBytes(model)
+    with saved:
+        loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    stats = handle.stats if handle else None
+    device = saved.total + (stats.kept_bytes if stats else 0)
+    host = stats.offloaded_bytes if stats else 0
+    per_block = host / len(blocks)
+    return {
+        "device": device / MIB,
+        "host": host / MIB,
+        # during backward at most horizon + 1 blocks' host copies are back on the device
+        "backward_peak_extra": (min(horizon + 1, len(blocks)) * per_block / MIB) if stats else 0.0,
+        "seconds": seconds,
+        "max_resident": stats.max_resident_blocks if stats else 0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--horizon", type=int, default=2)
+    a = ap.parse_args()
+    base = build(a.layers, a.hidden)
+    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+    print(f"Llama hidden {a.hidden}, {a.layers} layers, batch {a.batch}, seq {a.seq}, fp32, "
+          f"loading_horizon {a.horizon}")
+    print(f"{'mode':<22}{'saved on device MiB':>20}{'on host MiB':>13}{'bwd reload MiB':>16}"
+          f"{'resident':>10}{'fwd+bwd s':>11}")
+    for mode in ("plain", "checkpoint", "offload", "checkpoint+offload"):
+        r = measure(base, mode, ids, a.horizon)
+        print(f"{mode:<22}{r['device']:>20.1f}{r['host']:>13.1f}{r['backward_peak_extra']:>16.1f}"
+              f"{r['max_resident']:>10}{r['seconds']:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
