@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_public_api_names_are_frozen() -> None:
     assert sorted(tpcompile.__all__) == [
         "ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable", "from_pretrained",
-        "hf_state_dict", "load_hf_weights", "plan_model", "save_pretrained", "transform",
+        "hf_state_dict", "load_hf_weights", "parallelize", "plan_model", "save_pretrained", "transform",
     ]
 
 

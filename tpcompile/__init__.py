@@ -12,11 +12,12 @@ from __future__ import annotations
 from .api import plan_model, transform
 from .checkpoint import from_pretrained, hf_state_dict, load_hf_weights, save_pretrained
 from .errors import TPError
+from .fsdp import parallelize
 from .plan import ModulePlan, ParamPlan, Plan, Role
 from .translate import TranslationTable
 
 __all__ = [
     "ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable", "from_pretrained",
-    "hf_state_dict", "load_hf_weights", "plan_model", "save_pretrained", "transform",
+    "hf_state_dict", "load_hf_weights", "parallelize", "plan_model", "save_pretrained", "transform",
 ]
 __version__ = "0.1.0"

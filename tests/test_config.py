@@ -1,0 +1,212 @@
+"""resolve_config(): SMP v2 and accelerate configs resolve to the same ParallelConfig as the
+equivalent keywords; bad keys, conflicts and unsupported values fail clearly. Single
+process, no process group."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from tpcompile.config import (
+    ACCELERATE_KEYS,
+    SMP_KEYS,
+    CheckpointKind,
+    NoEffect,
+    ParallelConfig,
+    Sharding,
+    resolve_config,
+)
+from tpcompile.errors import TPError
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+ACCELERATE_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_sync_module_states: true
+  fsdp_offload_params: true
+  fsdp_reshard_after_forward: false
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_use_orig_params: true
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+  parallelism_config_cp_size: 1
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_smp_config_equals_keywords() -> None:
+    smp = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2, "sm_activation_offloading": True,
+           "activation_loading_horizon": 3, "random_seed": 7, "expert_parallel_degree": 1,
+           "context_parallel_degree": 1, "allow_empty_shards": True}
+    got = resolve_config(smp, world_size=8)
+    want = resolve_config(tp=2, dp_shard=2, dp_replicate=2, activation_offloading=True,
+                          loading_horizon=3, seed=7, world_size=8)
+    assert got == want
+    assert got.mesh_shape == (2, 2, 2) and got.sharding_strategy is Sharding.HYBRID_SHARD
+    assert got.source == "smp" and got.no_effect == ("allow_empty_shards",)
+    nested = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": smp}}}
+    assert resolve_config(nested, world_size=8) == got
+
+
+@pytest.mark.parametrize(("degree", "shape", "strategy"), [
+    (0, (1, 4, 2), "FULL_SHARD"),  # the largest degree tp allows
+    (1, (4, 1, 2), "NO_SHARD"),  # replicate only
+    (4, (1, 4, 2), "FULL_SHARD"),  # all dp ranks: no replica left
+    (2, (2, 2, 2), "HYBRID_SHARD"),
+])
+def test_smp_hybrid_shard_degree(degree: int, shape: tuple, strategy: str) -> None:
+    cfg = resolve_config({"tensor_parallel_degree": 2, "hybrid_shard_degree": degree}, world_size=8)
+    assert (cfg.mesh_shape, cfg.sharding_strategy.value) == (shape, strategy)
+
+
+def test_smp_keeps_a_zero2_strategy() -> None:
+    cfg = resolve_config({"hybrid_shard_degree": 2}, sharding_strategy="SHARD_GRAD_OP", world_size=8)
+    assert cfg.sharding_strategy is Sharding.HYBRID_SHARD_ZERO2 and not cfg.reshard_after_forward
+
+
+def test_accelerate_yaml_equals_keywords(tmp_path: Path) -> None:
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACCELERATE_YAML)
+    got = resolve_config(str(path), world_size=8)
+    want = resolve_config(tp=2, dp_shard=2, dp_replicate=2, sharding_strategy="HYBRID_SHARD_ZERO2",
+                          mixed_precision="bf16", cpu_offload=True, activation_checkpointing=True,
+                          checkpoint="full", load_from_rank0=True, wrap_classes=("LlamaDecoderLayer",),
+                          num_processes=8, world_size=8)
+    assert got == want and got.source == "accelerate"
+    assert got.mixed_precision == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert {"compute_environment", "fsdp_use_orig_params", "tpu_env"} <= set(got.no_effect)
+    with pytest.raises(TPError, match="num_processes=8 but the world has 4"):
+        resolve_config(str(path), world_size=4)
+
+
+@pytest.mark.parametrize(("value", "strategy"), [
+    (1, "FULL_SHARD"), (2, "SHARD_GRAD_OP"), ("3", "NO_SHARD"), (4, "HYBRID_SHARD"),
+    ("5", "HYBRID_SHARD_ZERO2"), ("_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"), ("shard_grad_op", "SHARD_GRAD_OP"),
+])
+def test_accelerate_sharding_strategy_names_and_legacy_ints(value: object, strategy: str) -> None:
+    cfg = resolve_config({"fsdp_sharding_strategy": value}, dp_replicate=2, world_size=2)
+    assert cfg.sharding_strategy.value == strategy.replace("FULL_SHARD", "HYBRID_SHARD").replace(
+        "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")  # a replicate dim makes sharded strategies hybrid
+
+
+def test_accelerate_fsdp1_reshard_names_and_bools() -> None:
+    assert resolve_config({"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}).sharding_strategy is Sharding.SHARD_GRAD_OP
+    assert resolve_config({"fsdp_reshard_after_forward": "false"}).sharding_strategy is Sharding.SHARD_GRAD_OP
+    cfg = resolve_config({"fsdp_reshard_after_forward": True}, sharding_strategy="HYBRID_SHARD")
+    assert cfg.sharding_strategy is Sharding.HYBRID_SHARD
+
+
+def test_json_string_and_file(tmp_path: Path) -> None:
+    text = json.dumps({"tensor_parallel_degree": 2})
+    path = tmp_path / "smp.json"
+    path.write_text(text)
+    assert resolve_config(text, world_size=4) == resolve_config(path, world_size=4) == resolve_config(tp=2, world_size=4)
+
+
+def test_native_dict_and_mixed_precision_forms() -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert resolve_config({"tp": 2, "mixed_precision": "bf16"}) == resolve_config(tp=2, mixed_precision=torch.bfloat16)
+    assert resolve_config(mixed_precision=policy).mixed_precision == policy
+    assert resolve_config(mixed_precision="no").mixed_precision is None
+    assert resolve_config({"fsdp_state_dict_type": "SHARDED_STATE_DICT"}).checkpoint is CheckpointKind.SHARDED
+
+
+@pytest.mark.parametrize(("shape", "kwargs"), [
+    ((1, 4, 1), {}),
+    ((1, 2, 2), {"tp": 2}),
+    ((2, 2, 1), {"dp_replicate": 2}),
+    ((2, 2, 1), {"dp_shard": 2, "dp_replicate": -1}),
+    ((4, 1, 1), {"sharding_strategy": "NO_SHARD"}),
+])
+def test_mesh_shapes(shape: tuple, kwargs: dict) -> None:
+    assert resolve_config(world_size=4, **kwargs).mesh_shape == shape
+
+
+def test_hybrid_shards_within_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(TPError, match="pass dp_replicate=N"):
+        resolve_config(sharding_strategy="HYBRID_SHARD", world_size=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    # a node of 4 ranks holds 2 TP groups: shard over those 2, replicate across the 2 nodes
+    assert resolve_config(sharding_strategy="HYBRID_SHARD", tp=2, world_size=8).mesh_shape == (2, 2, 2)
+
+
+@pytest.mark.parametrize(("config", "kwargs", "match"), [
+    ({"tensor_paralel_degree": 2}, {}, r"tensor_paralel_degree.*did you mean \['tensor_parallel_degree'"),
+    ({"tensor_parallel_degree": 2, "hybrid_shard_degre": 2}, {}, r"unknown smp config key 'hybrid_shard_degre'.*"
+                                                                  r"did you mean \['hybrid_shard_degree'\].*Supported"),
+    ({"fsdp_offload_param": True}, {}, r"did you mean \['fsdp_offload_params'"),
+    ({"delayed_param_initialization": True}, {}, "DelayedParamIniter"),
+    ({"tensor_parallel_degree": 2}, {"tp": 4}, "tp=4 conflicts with the config's 'tensor_parallel_degree'"),
+    ({"fsdp_sharding_strategy": "NO_SHARD"}, {"sharding_strategy": "FULL_SHARD"}, "conflicts"),
+    ({"tensor_parallel_degree": 2, "fsdp_offload_params": True}, {}, r"mixes smp keys with accelerate keys"),
+    ({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False}, {}, "disagree"),
+    ({"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_reshard_after_forward": False}, {}, "contradicts"),
+    ({"expert_parallel_degree": 2}, {}, "only 1 is supported: expert parallelism"),
+    ({"context_parallel_degree": 4}, {}, "context parallelism is not implemented"),
+    ({"parallelism_config": {"parallelism_config_cp_size": 2}}, {}, "context parallelism"),
+    ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, {}, "SIZE_BASED_WRAP are not supported"),
+    ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, {}, "no LOCAL_STATE_DICT"),
+    ({"fsdp_sharding_strategy": 7}, {}, "unknown sharding strategy 7"),
+    ({"fsdp_backward_prefetch": "SOMETIMES"}, {}, "BACKWARD_PRE"),
+    ({"distributed_type": "DEEPSPEED"}, {}, "use distributed_type: FSDP"),
+    ({"mixed_precision": "fp8"}, {}, "fp8 is not wired in"),
+    ({"deepspeed_config": {"zero_stage": 3}}, {}, "deepspeed_config is not supported"),
+    ({"smdistributed": {"modelparallel": {"enabled": False}}}, {}, "turns SMP off"),
+    ({"tensor_parallel_degree": 3}, {}, r"not divisible by tp=3; tp values that work: \[1, 2, 4\]"),
+    (None, {"sharding_strategy": "NO_SHARD", "dp_shard": 2}, "dp_shard must be 1"),
+    (None, {"dp_shard": 3}, "3 x tp=1 = 3 ranks, but the world has 4"),
+    (None, {"dp_shard": -1, "dp_replicate": -1}, "only one of dp_shard and dp_replicate"),
+    (None, {"tpp": 2}, r"unknown keyword 'tpp'; did you mean \['tp'"),
+    (None, {"loading_horizon": 0}, "loading_horizon must be an integer >= 1"),
+    ("not/a/file.yaml", {}, "does not exist"),
+])
+def test_clear_errors(config: object, kwargs: dict, match: str) -> None:
+    with pytest.raises(TPError, match=match):
+        resolve_config(config, world_size=4, **kwargs)
+
+
+def test_no_effect_keys_are_explained_in_code_and_readme() -> None:
+    readme = README.read_text()
+    section = readme[readme.index("## FSDP2: tpcompile.parallelize"):]
+    for table in (SMP_KEYS, ACCELERATE_KEYS):
+        for key, rule in table.items():
+            assert f"`{key}`" in section, f"README's FSDP2 section does not list {key}"
+            if isinstance(rule, NoEffect):
+                assert len(rule.reason) > 20, key
+
+
+def test_parallel_config_is_frozen_and_validated() -> None:
+    cfg = ParallelConfig(tp=2)
+    with pytest.raises(AttributeError):
+        cfg.tp = 4  # type: ignore[misc]
+    with pytest.raises(TPError, match="tp must be an integer >= 1"):
+        ParallelConfig(tp=0)
+    with pytest.raises(TPError, match="mesh is not resolved"):
+        _ = cfg.mesh_shape
