@@ -162,7 +162,7 @@ def _shard_on_read(rank: int, world: int, root: str, cases: list) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_from_pretrained_reads_only_each_ranks_slices(tmp_path: Path, world: int) -> None:
-    cases = [("llama", {}), ("gpt2", {})] if world == 2 else [("llama", {"num_key_value_heads": 2})]
+    cases = [("llama", {}), ("gpt2", {}), ("gemma2", {})] if world == 2 else [("llama", {"num_key_value_heads": 2})]
     for per_rank in run_distributed(_shard_on_read, world, str(tmp_path), cases):
         for r in per_rank:
             assert r["err"] < 1e-5, r

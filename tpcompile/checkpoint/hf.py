@@ -323,8 +323,12 @@ def _read_local(r: SliceReader, t: TensorMap, rank: int) -> torch.Tensor:
                       "(a checkpoint of another architecture or config?)")
     if not t.sharded:
         return r.read(t.key)
+    runs = t.read_runs(rank)
     local_shape = t.local_shape()
+    if sum(b - a for _, a, b in runs) == local_shape[t.shard_dim]:
+        # no padding: one read straight into the shard (runs are in local order)
+        return r.read(t.key, t.shard_dim, [(a, b) for _, a, b in runs])
     local = torch.zeros(local_shape, dtype=dtype)  # padding rows stay zero
-    for pos, a, b in t.read_runs(rank):
+    for pos, a, b in runs:
         local.narrow(t.shard_dim, pos, b - a).copy_(r.read(t.key, t.shard_dim, [(a, b)]))
     return local

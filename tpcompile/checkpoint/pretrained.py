@@ -1,8 +1,8 @@
 """Getting real weights into a transformed model without any rank holding the model.
 
-* :func:`from_pretrained` — the front door: config → model whose *parameters* are on
-  the meta device (buffers such as rotary tables are computed for real, since no
-  checkpoint stores them) → ``transform`` → each rank reads its own rows;
+* :func:`from_pretrained` — the front door: config → model on the meta device →
+  ``transform`` → each rank reads its own rows → buffers no checkpoint stores (rotary
+  tables) computed by the model's own init;
 * :func:`scatter_from_rank0` — SageMaker's ``load_state_dict_from_rank0`` mode: rank 0
   built the model with real weights, the other ranks on meta; rank 0 sends every rank
   its shards, tensor by tensor.
@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,30 +21,36 @@ from ..errors import TPError
 from ..translate import TranslationTable
 from .shards import assign_tp_local, lookup, tp_context
 
-__all__ = ["from_pretrained", "params_on_meta", "scatter_from_rank0"]
+__all__ = ["from_pretrained", "materialize_buffers", "scatter_from_rank0"]
 
 
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Build modules with parameters on the meta device and buffers for real.
+def materialize_buffers(model: nn.Module, device: str | torch.device = "cpu") -> list[str]:
+    """Give buffers left on the meta device real values, computed by the model's own init.
 
-    Example:
-        >>> with params_on_meta():                                       # doctest: +SKIP
-        ...     model = AutoModelForCausalLM.from_config(config)   # no weight memory
+    No checkpoint stores non-persistent buffers (rotary tables, position ids), so a
+    model built on the meta device must recompute them.  Hugging Face models do that in
+    ``_init_weights``: it runs only on the modules that own such buffers, with every
+    parameter marked initialized so loaded weights are never touched.
     """
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+    owners: dict[str, nn.Module] = {}
+    for name, buf in list(model.named_buffers()):
+        if buf is not None and buf.device.type == "meta":
+            mod_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(mod_name) if mod_name else model
+            owner._buffers[attr] = torch.empty_like(buf, device=device)
+            owners[mod_name] = owner
+    if not owners:
+        return []
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        raise TPError(f"buffers {sorted(owners)} are on the meta device and {type(model).__name__} has "
+                      "no _init_weights to compute them; build the model with real buffers")
+    for p in model.parameters():
+        p._is_hf_initialized = True  # transformers' init helpers skip flagged tensors
+    with torch.no_grad():
+        for owner in owners.values():
+            init(owner)
+    return sorted(owners)
 
 
 def _model_class(config: Any) -> type:
@@ -96,11 +100,12 @@ def from_pretrained(path: str | os.PathLike, tp: int, *, model_class: type | Non
         build_kwargs["dtype"] = dtype
     elif dtype == "auto" and getattr(config, "dtype", None) is not None:
         build_kwargs["dtype"] = config.dtype
-    with params_on_meta():
+    with torch.device("meta"):  # no weight memory, no init time
         model = cls._from_config(config, **build_kwargs) if hasattr(cls, "_from_config") \
             else cls.from_config(config, **build_kwargs)
     transform(model, tp, **(transform_kwargs or {}))
     model.tpcompile_load_stats = load_hf_weights(model, path)
+    materialize_buffers(model)
     if os.path.exists(os.path.join(path, "generation_config.json")) and hasattr(model, "generation_config"):
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained returns it

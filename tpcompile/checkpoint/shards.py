@@ -79,7 +79,8 @@ def assign_tp_local(model: nn.Module, key: str, local: torch.Tensor, aliases: li
     """Make ``local`` (this rank's TP shard) the value of ``key`` and its tied aliases.
 
     A materialized tensor is written in place (optimizers and FSDP keep their
-    references); a meta one is replaced by a new parameter/buffer on ``local``'s device.
+    references); a meta one is replaced by a new parameter/buffer that takes ownership of
+    ``local``'s storage (callers pass a fresh tensor: no copy is made).
     """
     owner, attr, cur = lookup(model, key)
     with torch.no_grad():
@@ -103,10 +104,10 @@ def assign_tp_local(model: nn.Module, key: str, local: torch.Tensor, aliases: li
             raise TPError(f"{key} is still on the meta device inside FSDP; materialize the model "
                           "first (model.to_empty(device=...)) and load again")
         if isinstance(cur, DTensor):
-            new = DTensor.from_local(value.clone(), cur.device_mesh, cur.placements, run_check=False,
+            new = DTensor.from_local(value, cur.device_mesh, cur.placements, run_check=False,
                                      shape=cur.shape, stride=cur.stride())
         else:
-            new = value.clone()
+            new = value
     if attr in owner._parameters:
         new = nn.Parameter(new, requires_grad=cur.requires_grad)
     for name in [key, *aliases]:  # tied aliases must stay the very same object
