@@ -175,8 +175,10 @@ def _tie_targets(model: nn.Module) -> set[str]:
     return set(tied)
 
 
-def build_table(model: nn.Module, plan: Plan) -> TranslationTable:
-    """The table for ``model`` (still untransformed: HF shapes) under ``plan``."""
+def build_table(model: nn.Module, plan: Plan | None) -> TranslationTable:
+    """The table for ``model`` (still untransformed: HF shapes) under ``plan``
+    (``None``: an untransformed model, every tensor whole)."""
+    plan = plan or Plan(tp=1, model_class=type(model).__name__)
     table = TranslationTable(tp=plan.tp, model_class=plan.model_class)
     targets = _tie_targets(model)
     groups: dict[int, list[str]] = {}

@@ -17,6 +17,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -89,7 +90,8 @@ def atomic_dir(final: str | os.PathLike, *, overwrite: bool = True) -> Iterator[
 
 
 @contextlib.contextmanager
-def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
+def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True,
+                           group: Any = None) -> Iterator[Path]:
     """:func:`atomic_dir` shared by every rank (a shared filesystem is assumed).
 
     Rank 0 creates the private directory and tells the others its name; the rename
@@ -103,7 +105,7 @@ def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True) 
     final = Path(final)
     rank = dist.get_rank()
     box: list[object] = [str(_new_partial(final)) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     tmp = Path(str(box[0]))
     error: BaseException | None = None
     try:
@@ -111,7 +113,8 @@ def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True) 
     except BaseException as err:  # noqa: BLE001 - re-raised after the ranks agree
         error = err
     flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, None if error is None else f"rank {rank}: {type(error).__name__}: {error}")
+    dist.all_gather_object(flags, None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+                           group=group)
     failures = [f for f in flags if f]
     outcome: list[object] = [None]
     if rank == 0:
@@ -124,7 +127,7 @@ def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True) 
             except BaseException as err:  # noqa: BLE001 - every rank must hear of it
                 shutil.rmtree(tmp, ignore_errors=True)
                 outcome[0] = f"rank 0: {type(err).__name__}: {err}"
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     if error is not None:
         raise error
     if outcome[0]:

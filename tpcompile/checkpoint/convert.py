@@ -92,6 +92,63 @@ def _open_full(root: Path) -> Source:
     return Source(root=root, entries=entries, read=lambda k: readers[where[k]].read(k), close=close)
 
 
+def _hf_entries(meta: dict[str, Any]) -> tuple[Any, list[tuple[str, torch.dtype, list[int]]]]:
+    from ..translate import TranslationTable
+
+    table = TranslationTable.from_dict(meta["table"])
+    return table, [(k, getattr(torch, table.tensors[k].dtype), table.tensors[k].shape)
+                   for k in table.saved_keys()]
+
+
+@register_source("tpcompile-sharded")
+def _open_sharded(root: Path) -> Source:
+    """Read each HF tensor whole from the DCP files, one key per call (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    _, entries = _hf_entries(json.loads((root / META_NAME).read_text()))
+    shapes = {k: (d, s) for k, d, s in entries}
+
+    def read(key: str) -> torch.Tensor:
+        dtype, shape = shapes[key]
+        box = {f"model/{key}": torch.empty(shape, dtype=dtype)}
+        dcp.load(box, checkpoint_id=root, no_dist=True)
+        return box[f"model/{key}"]
+
+    return Source(root=root, entries=entries, read=read)
+
+
+@register_source("tpcompile-local")
+def _open_local(root: Path) -> Source:
+    """Reassemble HF tensors from every rank's file: FSDP pieces concatenated along dim 0
+    into each TP shard, TP shards mapped back to HF rows by the translation table."""
+    meta = json.loads((root / META_NAME).read_text())
+    table, entries = _hf_entries(meta)
+    mesh = meta["layout"]["mesh"] or {"tp": 1}
+    world = meta["layout"]["world"]
+    tp = mesh.get("tp", 1)
+    shard = mesh.get("dp_shard", 1)
+    names = [root / f"rank-{r:05d}.safetensors" for r in range(world)]
+    missing = [n.name for n in names if not n.exists()]
+    if missing:
+        raise TPError(f"{root}: rank files {missing[:4]} are missing (an interrupted save?)")
+    readers = [SliceReader(n) for n in names]
+    # mesh (dp_replicate, dp_shard, tp), row-major: replica 0 holds every TP shard's pieces
+    def rank_of(s: int, t: int) -> int:
+        return s * tp + t
+
+    def read(key: str) -> torch.Tensor:
+        t = table.tensors[key]
+        tp_shards = [torch.cat([readers[rank_of(s, r)].read(f"model/{key}") for s in range(shard)])
+                     if shard > 1 else readers[rank_of(0, r)].read(f"model/{key}") for r in range(tp)]
+        return t.to_hf(tp_shards) if t.sharded else tp_shards[0]
+
+    def close() -> None:
+        for r in readers:
+            r.close()
+
+    return Source(root=root, entries=entries, read=read, close=close)
+
+
 def _progress(total: int, enabled: bool) -> Any:
     if not enabled:
         return None

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import TPError
 from ..translate import TensorMap, TranslationTable
-from .atomic import atomic_dir
+from .atomic import PARTIAL_RE, atomic_dir
 from .safetensors_io import SliceReader, StreamWriter
 from .shards import TPContext, assign_tp_local, lookup, tp_context, tp_local
 
@@ -43,8 +43,14 @@ SINGLE_NAME = "model.safetensors"
 META_NAME = "tpcompile.json"
 
 
-def table_of(model: nn.Module) -> TranslationTable:
+def table_of(model: nn.Module, *, plain_ok: bool = False) -> TranslationTable:
+    """The model's translation table; ``plain_ok``: an untransformed model gets a tp=1
+    table (so training checkpoints load into a plain single-process model too)."""
     table = getattr(model, "tpcompile_table", None)
+    if table is None and plain_ok:
+        from ..translate import build_table
+
+        return build_table(model, None)
     if table is None:
         raise TPError("this model was not transformed by tpcompile (no model.tpcompile_table); "
                       "call tpcompile.transform(model, tp) first")
@@ -55,18 +61,22 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _gather(t: TensorMap, local: torch.Tensor, ctx: TPContext, dst: int | None) -> list[torch.Tensor] | None:
-    """Every TP rank's shard, on TP-group rank ``dst`` (``None``: on all of them)."""
-    if ctx.size == 1:
-        return [local]
+def hf_tensor(t: TensorMap, tensor: torch.Tensor, ctx: TPContext, dst: int | None = None) -> torch.Tensor | None:
+    """The HF tensor behind ``tensor`` (a parameter, or optimizer state shaped like one),
+    assembled from every TP rank's shard on TP-group rank ``dst`` (``None``: on all of
+    them); ``None`` on the ranks that do not receive it.  Collective over the TP group
+    (and, under FSDP, the data-parallel dims)."""
+    local = tp_local(tensor)
+    if not t.sharded or ctx.size == 1:
+        return local if dst is None or ctx.rank == dst else None
     local = local.contiguous()
     if dst is None:
-        out = [torch.empty_like(local) for _ in range(ctx.size)]
-        dist.all_gather(out, local, group=ctx.group)
-        return out
-    out = [torch.empty_like(local) for _ in range(ctx.size)] if ctx.rank == dst else None
-    dist.gather(local, out, group=ctx.group, group_dst=dst)
-    return out
+        parts = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(parts, local, group=ctx.group)
+        return t.to_hf(parts)
+    parts = [torch.empty_like(local) for _ in range(ctx.size)] if ctx.rank == dst else None
+    dist.gather(local, parts, group=ctx.group, group_dst=dst)
+    return t.to_hf(parts) if parts is not None else None
 
 
 def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_only: bool = True,
@@ -83,12 +93,12 @@ def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_on
     keep = not rank0_only or _rank() == 0
     for key in keys:
         t = table.tensors[key]
-        local = tp_local(lookup(model, key)[2])
-        if t.sharded and wanted:
-            parts = _gather(t, local, ctx, None if not rank0_only else 0)
-            hf = t.to_hf(parts) if parts is not None else None
-        else:
-            hf = local
+        tensor = lookup(model, key)[2]
+        if wanted:
+            hf = hf_tensor(t, tensor, ctx, 0 if rank0_only else None)
+        else:  # still take part in the data-parallel gathers
+            tp_local(tensor)
+            hf = None
         if not keep or hf is None:
             yield key, None
             continue
@@ -164,9 +174,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+# An extra file written with the weights: (file name, safetensors entries, the stream of
+# (key, tensor) every rank iterates, metadata written into tpcompile.json).
+ExtraFile = tuple[str, list[tuple[str, torch.dtype, list[int]]], Iterator[tuple[str, torch.Tensor | None]]]
+
+
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_on_save: bool = True,
                     max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
-                    overwrite: bool = True) -> Path:
+                    overwrite: bool = True, extra_files: list[ExtraFile] = (),
+                    extra_meta: dict[str, Any] | None = None) -> Path:
     """Write an HF checkpoint directory from a transformed model (all ranks call this).
 
     ``translate_on_save=True`` (default) writes exactly what ``model.save_pretrained``
@@ -188,17 +204,29 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     rank = _rank()
     error: str | None = None
     stream = iter_hf_tensors(model, keys)
+    streams = [stream, *(s for _, _, s in extra_files)]
     if rank != 0:
-        for _ in stream:  # take part in every gather
-            pass
+        for s in streams:  # take part in every gather
+            for _ in s:
+                pass
     else:
         try:
             with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-                _write_hf_dir(model, table, tmp, files, names, stream, dtype, translate_on_save)
+                _write_hf_dir(model, table, tmp, files, names, stream, dtype)
+                for name, entries, s in extra_files:
+                    with StreamWriter(tmp / name, entries) as w:
+                        for key, tensor in s:
+                            w.write(key, tensor)
+                if not translate_on_save or extra_meta:
+                    meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict()
+                            if hasattr(model, "tpcompile_plan") else None,
+                            "table": table.to_dict(), **(extra_meta or {})}
+                    (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
         except Exception as err:  # noqa: BLE001 - broadcast to all ranks below
             error = f"{type(err).__name__}: {err}"
-            for _ in stream:  # keep the other ranks' collectives matched
-                pass
+            for s in streams:  # keep the other ranks' collectives matched
+                for _ in s:
+                    pass
     if dist.is_available() and dist.is_initialized():
         box: list[object] = [error]
         dist.broadcast_object_list(box, src=0)
@@ -208,19 +236,24 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     return out_dir
 
 
-def _write_hf_dir(model: nn.Module, table: TranslationTable, tmp: Path, files: list[list[str]],
-                  names: list[str], stream: Iterator[tuple[str, torch.Tensor | None]],
-                  dtype: torch.dtype | None, native: bool) -> None:
+def write_configs(model: nn.Module, out: Path, dtype: torch.dtype | None = None) -> None:
+    """``config.json`` (and ``generation_config.json``) of an HF model, if it has them."""
     config = getattr(model, "config", None)
-    if config is not None:
-        config.save_pretrained(tmp)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(out)
         if dtype is not None:
-            cfg = json.loads((tmp / "config.json").read_text())
+            cfg = json.loads((out / "config.json").read_text())
             cfg["dtype"] = str(dtype).removeprefix("torch.")
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(model, "can_generate", lambda: False)():
-        gen.save_pretrained(tmp)
+        gen.save_pretrained(out)
+
+
+def _write_hf_dir(model: nn.Module, table: TranslationTable, tmp: Path, files: list[list[str]],
+                  names: list[str], stream: Iterator[tuple[str, torch.Tensor | None]],
+                  dtype: torch.dtype | None) -> None:
+    write_configs(model, tmp, dtype)
     weight_map: dict[str, str] = {}
     total = 0
     for keys, name in zip(files, names, strict=True):
@@ -235,17 +268,22 @@ def _write_hf_dir(model: nn.Module, table: TranslationTable, tmp: Path, files: l
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    if not native:
-        meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict(), "table": table.to_dict()}
-        (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
 
 
 # ---- loading ------------------------------------------------------------------------
 
 
+def reject_partial(path: Path) -> None:
+    """A ``.<name>.partial-<id>`` directory is a save that never completed: refuse it."""
+    if PARTIAL_RE.match(path.name):
+        raise TPError(f"{path} is not a complete tpcompile checkpoint: it is the partial directory of an "
+                      "interrupted save (safe to delete); load the last published checkpoint instead")
+
+
 def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
     """``{tensor key: file}`` of an HF safetensors directory, every file checked."""
     path = Path(path)
+    reject_partial(path)
     if not path.is_dir():
         raise TPError(f"{path} is not a checkpoint directory")
     index = path / INDEX_NAME
@@ -304,7 +342,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                 continue  # a buffer the checkpoint does not store keeps its own value
             f = where[key]
             r = readers.get(f) or readers.setdefault(f, SliceReader(f))
-            local = _read_local(r, table.tensors[key], ctx.rank)
+            local = read_local(r, table.tensors[key], ctx.rank)
             assign_tp_local(model, key, local, table.aliases(key))
             loaded += 1
     finally:
@@ -316,19 +354,21 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     return {"bytes_read": sum(r.bytes_read for r in readers.values()), "tensors": loaded}
 
 
-def _read_local(r: SliceReader, t: TensorMap, rank: int) -> torch.Tensor:
-    dtype, shape = r.info(t.key)
+def read_local(r: SliceReader, t: TensorMap, rank: int, name: str | None = None) -> torch.Tensor:
+    """This TP rank's shard of tensor ``name`` (default ``t.key``) laid out as ``t``."""
+    name = name or t.key
+    dtype, shape = r.info(name)
     if shape != t.shape:
-        raise TPError(f"{r.path}: {t.key} has shape {shape}, the model expects {t.shape} "
+        raise TPError(f"{r.path}: {name} has shape {shape}, the model expects {t.shape} "
                       "(a checkpoint of another architecture or config?)")
     if not t.sharded:
-        return r.read(t.key)
+        return r.read(name)
     runs = t.read_runs(rank)
     local_shape = t.local_shape()
     if sum(b - a for _, a, b in runs) == local_shape[t.shard_dim]:
         # no padding: one read straight into the shard (runs are in local order)
-        return r.read(t.key, t.shard_dim, [(a, b) for _, a, b in runs])
+        return r.read(name, t.shard_dim, [(a, b) for _, a, b in runs])
     local = torch.zeros(local_shape, dtype=dtype)  # padding rows stay zero
     for pos, a, b in runs:
-        local.narrow(t.shard_dim, pos, b - a).copy_(r.read(t.key, t.shard_dim, [(a, b)]))
+        local.narrow(t.shard_dim, pos, b - a).copy_(r.read(name, t.shard_dim, [(a, b)]))
     return local

@@ -202,7 +202,7 @@ class StreamWriter:
             )
         data = tensor.detach().to("cpu").contiguous()
         if nbytes:
-            self._f.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+            self._f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self.bytes_written += nbytes
         self._next += 1
 

@@ -20,7 +20,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import TPError
 
-__all__ = ["TPContext", "assign_tp_local", "lookup", "tp_context", "tp_local"]
+__all__ = [
+    "TPContext", "assign_tp_local", "lookup", "rank_local", "shard_like", "tp_context", "tp_local",
+]
 
 
 class TPContext:
@@ -75,6 +77,28 @@ def tp_local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local().detach()
 
 
+def rank_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a tensor laid out like ``like``, given its TP shard
+    ``local``: the TP shard itself, or under FSDP this rank's piece of it."""
+    if not isinstance(like, DTensor):
+        return local.to(like.dtype)
+    want = _tp_placements(like)
+    src = DTensor.from_local(local.to(like.dtype), like.device_mesh, want, run_check=False,
+                             shape=like.shape, stride=like.stride())
+    if want != list(like.placements):
+        src = src.redistribute(like.device_mesh, like.placements)
+    return src.to_local()
+
+
+def shard_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s type and placement (DTensor or plain) holding ``local``."""
+    value = rank_local(like, local)
+    if not isinstance(like, DTensor):
+        return value
+    return DTensor.from_local(value, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
 def assign_tp_local(model: nn.Module, key: str, local: torch.Tensor, aliases: list[str] = ()) -> None:
     """Make ``local`` (this rank's TP shard) the value of ``key`` and its tied aliases.
 
@@ -84,15 +108,7 @@ def assign_tp_local(model: nn.Module, key: str, local: torch.Tensor, aliases: li
     """
     owner, attr, cur = lookup(model, key)
     with torch.no_grad():
-        if isinstance(cur, DTensor):
-            want = _tp_placements(cur)
-            src = DTensor.from_local(local.to(cur.dtype), cur.device_mesh, want, run_check=False,
-                                     shape=cur.shape, stride=cur.stride())
-            if want != list(cur.placements):
-                src = src.redistribute(cur.device_mesh, cur.placements)
-            value = src.to_local()
-        else:
-            value = local.to(cur.dtype)
+        value = rank_local(cur, local)
         target = cur.to_local() if isinstance(cur, DTensor) else cur
         if list(target.shape) != list(value.shape):
             raise TPError(f"{key}: shard of shape {list(value.shape)} does not fit the model's "

@@ -1,0 +1,468 @@
+"""Training checkpoints — model + optimizer — in three kinds, all atomic.
+
+* ``sharded``: ``torch.distributed.checkpoint`` files holding every tensor in its **HF
+  layout** (the translation table undoes fused / interleaved / replicated / padded TP
+  layouts first), cut into one row-chunk per rank of the world.  Because nothing of the
+  saving layout survives in the files, a checkpoint reloads bit-exactly at any ``tp``,
+  ``dp`` or world size, into a plain single-process model too.
+* ``local``: every rank writes exactly the tensors it holds, with no data collectives;
+  fastest, and reloadable only at the same layout (checked, with both layouts named).
+* ``full``: an HF directory (``from_pretrained`` loads it) plus the optimizer state in
+  HF layout, written by rank 0 one tensor at a time and read back shard-on-read.
+
+``save(..., async_=True)`` stages on the calling thread (everything that needs the
+training process group or the live tensors) and writes on a background thread over its
+own process group; the returned handle's ``wait()`` re-raises any error, and the next
+save waits for the previous one.  With ``step=`` the checkpoint goes to
+``<root>/step-<step>`` and ``<root>/latest`` is updated only once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..errors import TPError
+from ..translate import TensorMap, TranslationTable
+from . import hf
+from .atomic import distributed_atomic_dir
+from .safetensors_io import SliceReader, StreamWriter, read_header
+from .shards import assign_tp_local, lookup, shard_like, tp_context, tp_local
+
+__all__ = ["KINDS", "SaveHandle", "latest", "load", "save"]
+
+KINDS = ("sharded", "local", "full")
+LATEST = "latest"
+SHARDED_FORMAT = "tpcompile-sharded"
+LOCAL_FORMAT = "tpcompile-local"
+OPTIM_FILE = "optimizer.safetensors"
+
+
+class SaveHandle:
+    """A save in flight (or done).  ``wait()`` returns the path or raises its error."""
+
+    def __init__(self, path: Path, future: Future | None = None) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        if self._future is not None:
+            self._future.result(timeout)
+        return self.path
+
+
+_pending: SaveHandle | None = None
+_ckpt_group: Any = None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _background_group() -> Any:
+    """A process group of its own for background writes, so they never interleave with
+    the training step's collectives (created once, by every rank, on the first async save)."""
+    global _ckpt_group
+    if _ckpt_group is None:
+        _ckpt_group = dist.new_group(backend="gloo")
+    return _ckpt_group
+
+
+# ---- what a model + optimizer hold, in HF layout --------------------------------------
+
+
+def _optim_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   table: TranslationTable) -> tuple[dict[str, Any], list[tuple[str, str, TensorMap | None]]]:
+    """The optimizer's state dict by parameter FQN (state created if still empty) and its
+    tensors as ``(fqn, state name, layout or None for per-parameter scalars)``."""
+    if optimizer is None:
+        return {}, []
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizer)
+    entries = []
+    for fqn, state in osd["state"].items():
+        pshape = lookup(model, fqn)[2].shape
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                shaped = value.dim() > 0 and value.shape == pshape
+                entries.append((fqn, name, table.tensors[fqn] if shaped else None))
+    return osd, entries
+
+
+def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])]
+
+
+def _set_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any], entries: list,
+                   groups: list[dict[str, Any]], value_of: Callable[[str, str, TensorMap | None], torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for fqn, name, t in entries:
+        cur = osd["state"][fqn][name]
+        osd["state"][fqn][name] = shard_like(cur, value_of(fqn, name, t)) if t is not None \
+            else value_of(fqn, name, None).to(cur.dtype)
+    if len(groups) != len(osd["param_groups"]):
+        raise TPError(f"the checkpoint has {len(groups)} optimizer param groups, the optimizer "
+                      f"{len(osd['param_groups'])}")
+    for g, saved in zip(osd["param_groups"], groups, strict=True):
+        g.update(saved)
+    set_optimizer_state_dict(model, optimizer, osd)
+
+
+def _meta(kind: str, model: nn.Module, table: TranslationTable, osd: dict[str, Any],
+          entries: list, extra: dict[str, Any] | None) -> dict[str, Any]:
+    meta = {"format": kind, "table": table.to_dict(), "param_groups": _param_groups(osd),
+            "optim": [[f, n, t is not None] for f, n, t in entries], "layout": _layout(model),
+            "extra": extra or {}}
+    if kind != "tpcompile-full" and _world()[0] == 0:
+        meta["configs"] = _configs(model)
+    return meta
+
+
+def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
+    # config files let `translate` produce a complete HF directory later
+    for name, text in meta.pop("configs", {}).items():
+        (tmp / name).write_text(text)
+    (tmp / hf.META_NAME).write_text(json.dumps(meta) + "\n")
+
+
+def _configs(model: nn.Module) -> dict[str, str]:
+    """The model's HF config files as text, captured while staging."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        hf.write_configs(model, Path(d))
+        return {p.name: p.read_text() for p in Path(d).iterdir()}
+
+
+def _layout(model: nn.Module) -> dict[str, Any]:
+    mesh: DeviceMesh | None = getattr(model, "tpcompile_mesh", None)
+    _, world = _world()
+    if mesh is None:
+        return {"world": world, "mesh": {}}
+    names = mesh.mesh_dim_names or ("tp",)
+    if mesh.ndim == 1:
+        return {"world": world, "mesh": {"dp": world // mesh.size(), names[0]: mesh.size()}}
+    return {"world": world, "mesh": dict(zip(names, mesh.shape, strict=True))}
+
+
+# ---- sharded (DCP, HF layout) ---------------------------------------------------------
+
+
+_world_mesh: DeviceMesh | None = None
+
+
+def _chunk(full: torch.Tensor) -> torch.Tensor:
+    """This rank's row chunk of an HF tensor, as a DTensor over the whole world (a copy:
+    training may change ``full``'s source while a background write reads it)."""
+    global _world_mesh
+    _, world = _world()
+    if world == 1 or full.dim() == 0:
+        return full.detach().clone()
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if _world_mesh is None:
+        _world_mesh = DeviceMesh.from_group(dist.group.WORLD, full.device.type)
+    dt = DTensor.from_local(full, _world_mesh, [Replicate()], run_check=False)
+    local = dt.redistribute(_world_mesh, [Shard(0)]).to_local().clone()
+    return DTensor.from_local(local, _world_mesh, [Shard(0)], run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _stage_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   extra: dict | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    table = hf.table_of(model, plain_ok=True)
+    ctx = tp_context(model)
+    state: dict[str, Any] = {}
+    for key in table.saved_keys():
+        state[f"model/{key}"] = _chunk(hf.hf_tensor(table.tensors[key], lookup(model, key)[2], ctx))
+    osd, entries = _optim_entries(model, optimizer, table)
+    for fqn, name, t in entries:
+        value = osd["state"][fqn][name]
+        state[f"optim/{fqn}/{name}"] = _chunk(hf.hf_tensor(t, value, ctx)) if t is not None \
+            else tp_local(value).clone()
+    return state, _meta(SHARDED_FORMAT, model, table, osd, entries, extra)
+
+
+def _write_sharded(state: dict[str, Any], meta: dict[str, Any], tmp: Path, group: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _world()
+    dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
+    if rank == 0:
+        _write_meta(tmp, meta)
+
+
+def _load_sharded(path: Path, meta: dict[str, Any], model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    table = hf.table_of(model, plain_ok=True)
+    ctx = tp_context(model)
+    _check_same_model(path, TranslationTable.from_dict(meta["table"]), table)
+    osd, entries = _optim_entries(model, optimizer, table)
+    _check_same_optimizer(path, meta, entries)
+    state: dict[str, Any] = {}
+    for key in table.saved_keys():
+        t = table.tensors[key]
+        state[f"model/{key}"] = _chunk(torch.empty(t.shape, dtype=getattr(torch, t.dtype)))
+    for fqn, name, t in entries:
+        cur = osd["state"][fqn][name]
+        state[f"optim/{fqn}/{name}"] = _chunk(torch.empty(t.shape, dtype=cur.dtype)) if t is not None \
+            else torch.empty((), dtype=cur.dtype)
+    _, world = _world()
+    dcp.load(state, checkpoint_id=path, no_dist=world == 1)
+    for key in table.saved_keys():
+        t = table.tensors[key]
+        full = _full(state.pop(f"model/{key}"))
+        assign_tp_local(model, key, t.to_local(full, ctx.rank), table.aliases(key))
+    if optimizer is not None:
+        def value_of(fqn: str, name: str, t: TensorMap | None) -> torch.Tensor:
+            full = _full(state[f"optim/{fqn}/{name}"])
+            return t.to_local(full, ctx.rank) if t is not None else full
+        _set_optimizer(model, optimizer, osd, entries, meta["param_groups"], value_of)
+
+
+def _check_same_model(path: Path, saved: TranslationTable, table: TranslationTable) -> None:
+    want = {k: table.tensors[k].shape for k in table.saved_keys()}
+    have = {k: saved.tensors[k].shape for k in saved.saved_keys()}
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    wrong = [f"{k}: {have[k]} vs {want[k]}" for k in want if k in have and have[k] != want[k]]
+    if missing or unexpected or wrong:
+        raise TPError(f"{path} holds a different model ({saved.model_class}): missing {missing[:3]}, "
+                      f"unexpected {unexpected[:3]}, shape mismatches {wrong[:3]}")
+
+
+def _check_same_optimizer(path: Path, meta: dict[str, Any], entries: list) -> None:
+    saved = {(f, n) for f, n, _ in meta.get("optim", [])}
+    if entries and not saved:
+        raise TPError(f"{path} holds no optimizer state; pass optimizer=None to load the model only")
+    if entries and saved != {(f, n) for f, n, _ in entries}:
+        raise TPError(f"{path}: the optimizer state does not match this optimizer (another optimizer "
+                      "class or parameter set?); pass optimizer=None to load the model only")
+
+
+# ---- local (per rank, same layout) ----------------------------------------------------
+
+
+def _local_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def _stage_local(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 extra: dict | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from torch.distributed.tensor import DTensor
+
+    def mine(v: torch.Tensor) -> torch.Tensor:
+        return (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+
+    table = hf.table_of(model, plain_ok=True)
+    tensors = {f"model/{k}": mine(lookup(model, k)[2]) for k in table.saved_keys()}
+    osd, entries = _optim_entries(model, optimizer, table)
+    for fqn, name, _ in entries:
+        tensors[f"optim/{fqn}/{name}"] = mine(osd["state"][fqn][name])
+    return tensors, _meta(LOCAL_FORMAT, model, table, osd, entries, extra)
+
+
+def _write_local(tensors: dict[str, torch.Tensor], meta: dict[str, Any], tmp: Path, group: Any) -> None:
+    rank, _ = _world()
+    with StreamWriter(tmp / _local_name(rank), [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    if rank == 0:
+        _write_meta(tmp, meta)
+
+
+def _load_local(path: Path, meta: dict[str, Any], model: nn.Module,
+                optimizer: torch.optim.Optimizer | None) -> None:
+    layout = _layout(model)
+    table = hf.table_of(model, plain_ok=True)
+    if meta["layout"] != layout or meta["table"]["tp"] != table.tp:
+        raise TPError(f"{path} is a local checkpoint of layout {meta['layout']}, this job runs "
+                      f"{layout}; local checkpoints reload only at the layout that wrote them: "
+                      "save with kind='sharded' to change layouts")
+    rank, _ = _world()
+    f = path / _local_name(rank)
+    if not f.exists():
+        raise TPError(f"{path}: this rank's shard {f.name} is missing (an interrupted save?)")
+    osd, entries = _optim_entries(model, optimizer, table)
+    _check_same_optimizer(path, meta, entries)
+    with SliceReader(f) as r:
+        for key in table.saved_keys():
+            _, _, cur = lookup(model, key)
+            target = cur.to_local() if hasattr(cur, "to_local") else cur
+            with torch.no_grad():
+                target.copy_(r.read(f"model/{key}"))
+        if optimizer is not None:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            for fqn, name, _ in entries:
+                cur = osd["state"][fqn][name]
+                target = cur.to_local() if hasattr(cur, "to_local") else cur
+                target.copy_(r.read(f"optim/{fqn}/{name}"))
+            for g, saved in zip(osd["param_groups"], meta["param_groups"], strict=True):
+                g.update(saved)
+            set_optimizer_state_dict(model, optimizer, osd)
+
+
+# ---- full (HF directory + optimizer in HF layout) -------------------------------------
+
+
+def _save_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               extra: dict | None, overwrite: bool) -> None:
+    table = hf.table_of(model)
+    ctx = tp_context(model)
+    osd, entries = _optim_entries(model, optimizer, table)
+    rank, _ = _world()
+
+    def stream() -> Iterator[tuple[str, torch.Tensor | None]]:
+        for fqn, name, t in entries:
+            value = osd["state"][fqn][name]
+            full = hf.hf_tensor(t, value, ctx, dst=0) if t is not None else tp_local(value)
+            yield f"{fqn}/{name}", full.cpu() if full is not None and rank == 0 else None
+
+    optim_entries = []
+    for fqn, name, t in entries:
+        value = osd["state"][fqn][name]
+        shape = t.shape if t is not None else list(value.shape)
+        optim_entries.append((f"{fqn}/{name}", value.dtype, shape))
+    extra_files = [(OPTIM_FILE, optim_entries, stream())] if entries else []
+    hf.save_pretrained(model, path, overwrite=overwrite, extra_files=extra_files,
+                       extra_meta=_meta("tpcompile-full", model, table, osd, entries, extra))
+
+
+def _load_full(path: Path, meta: dict[str, Any], model: nn.Module,
+               optimizer: torch.optim.Optimizer | None) -> None:
+    hf.load_hf_weights(model, path)
+    if optimizer is None:
+        return
+    osd, entries = _optim_entries(model, optimizer, hf.table_of(model))
+    _check_same_optimizer(path, meta, entries)
+    rank = tp_context(model).rank
+    read_header(path / OPTIM_FILE)
+    with SliceReader(path / OPTIM_FILE) as r:
+        def value_of(fqn: str, name: str, t: TensorMap | None) -> torch.Tensor:
+            key = f"{fqn}/{name}"
+            return hf.read_local(r, t, rank, key) if t is not None else r.read(key)
+        _set_optimizer(model, optimizer, osd, entries, meta["param_groups"], value_of)
+
+
+# ---- front doors ----------------------------------------------------------------------
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``None`` if there is none)."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    return Path(root) / pointer.read_text().strip()
+
+
+def _publish_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.{os.getpid()}.{threading.get_ident()}"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)  # atomic: readers see the old or the new name
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         kind: str = "sharded", async_: bool = False, step: int | None = None,
+         extra: dict[str, Any] | None = None, overwrite: bool = True) -> SaveHandle:
+    """Save ``model`` (and ``optimizer``) as a ``kind`` checkpoint; every rank calls this.
+
+    Args:
+        path: the checkpoint directory, or with ``step`` the root holding
+            ``step-<step>/`` directories and the ``latest`` pointer.
+        kind: ``"sharded"`` (reshards on load), ``"local"`` (same layout only) or
+            ``"full"`` (HF directory + optimizer).
+        async_: return at once after staging; the write continues in the background.
+        extra: JSON-able data stored with the checkpoint (``load`` returns it).
+
+    Example:
+        >>> h = tpcompile.checkpoint.save("ckpt", model, opt, step=100, async_=True)  # doctest: +SKIP
+        >>> ...  # train on
+        >>> h.wait()
+    """
+    global _pending
+    if kind not in KINDS:
+        raise TPError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    if _pending is not None:  # one save at a time; a failed one surfaces here
+        previous, _pending = _pending, None
+        previous.wait()
+    root = Path(path)
+    final = root / f"step-{step:08d}" if step is not None else root
+    if kind == "full":
+        if async_:
+            raise TPError("async saves are for kind='sharded' or 'local'; a full save streams through rank 0")
+        _save_full(final, model, optimizer, extra, overwrite)
+        if step is not None and _world()[0] == 0:
+            _publish_latest(root, final.name)
+        return SaveHandle(final)
+    stage, write = (_stage_sharded, _write_sharded) if kind == "sharded" else (_stage_local, _write_local)
+    data, meta = stage(model, optimizer, extra)
+
+    def job(group: Any) -> None:
+        with distributed_atomic_dir(final, overwrite=overwrite, group=group) as tmp:
+            write(data, meta, tmp, group)
+        if step is not None and _world()[0] == 0:
+            _publish_latest(root, final.name)
+
+    if not async_:
+        job(None)
+        return SaveHandle(final)
+    group = _background_group() if _world()[1] > 1 else None
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            job(group)
+            future.set_result(final)
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="tpcompile-checkpoint", daemon=True).start()
+    _pending = SaveHandle(final, future)
+    return _pending
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save` (a directory, or a root with ``latest``).
+
+    Sharded and full checkpoints load at any layout; a local one only at its own.
+    Returns the ``extra`` data saved with it.
+    """
+    path = Path(path)
+    if (path / LATEST).exists() and not (path / hf.META_NAME).exists():
+        path = latest(path)
+    hf.reject_partial(path)
+    meta_file = path / hf.META_NAME
+    if not meta_file.exists():
+        raise TPError(f"{path} is not a complete tpcompile checkpoint (no {hf.META_NAME}); "
+                      "an interrupted save leaves only a hidden .partial directory")
+    meta = json.loads(meta_file.read_text())
+    loaders = {SHARDED_FORMAT: _load_sharded, LOCAL_FORMAT: _load_local, "tpcompile-full": _load_full}
+    if meta.get("format") not in loaders:
+        raise TPError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    loaders[meta["format"]](path, meta, model, optimizer)
+    return meta.get("extra", {})
