@@ -102,6 +102,8 @@ class TensorMap:
         if not self.sharded:
             return locals_[0]
         full = torch.cat(locals_, dim=self.shard_dim)
+        if self.layout == "contiguous":  # rank r holds the r-th block: the concatenation is it
+            return full
         idx = torch.as_tensor(self._first_position, device=full.device)
         return full.index_select(self.shard_dim, idx)
 

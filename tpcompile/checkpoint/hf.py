@@ -15,10 +15,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,30 +206,28 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     out_dir = Path(out_dir)
     rank = _rank()
     error: str | None = None
-    stream = iter_hf_tensors(model, keys)
-    streams = [stream, *(s for _, _, s in extra_files)]
+    streams = [iter_hf_tensors(model, keys), *(s for _, _, s in extra_files)]
+    items = itertools.chain(*streams)
     if rank != 0:
-        for s in streams:  # take part in every gather
-            for _ in s:
-                pass
+        for _ in items:  # take part in every gather
+            pass
     else:
-        try:
+        def write_all(items: Iterator[tuple[str, torch.Tensor | None]]) -> None:
             with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-                _write_hf_dir(model, table, tmp, files, names, stream, dtype)
-                for name, entries, s in extra_files:
+                _write_hf_dir(model, table, tmp, files, names, items, dtype)
+                for name, entries, _ in extra_files:
                     with StreamWriter(tmp / name, entries) as w:
-                        for key, tensor in s:
-                            w.write(key, tensor)
+                        for _ in entries:
+                            w.write(*next(items))
                 if not translate_on_save or extra_meta:
                     meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict()
                             if hasattr(model, "tpcompile_plan") else None,
                             "table": table.to_dict(), **(extra_meta or {})}
                     (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
+        try:
+            pipelined(write_all, items)
         except Exception as err:  # noqa: BLE001 - broadcast to all ranks below
             error = f"{type(err).__name__}: {err}"
-            for s in streams:  # keep the other ranks' collectives matched
-                for _ in s:
-                    pass
     if dist.is_available() and dist.is_initialized():
         box: list[object] = [error]
         dist.broadcast_object_list(box, src=0)
@@ -234,6 +235,35 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     if error:
         raise TPError(f"save_pretrained to {out_dir} failed on rank 0: {error}")
     return out_dir
+
+
+def pipelined(consume: Callable[[Iterator[Any]], None], produce: Iterator[Any], depth: int = 2) -> None:
+    """Run ``consume`` (file writes) on a thread while this thread drives ``produce``
+    (gathers: collectives stay on the calling thread).  At most ``depth`` items wait in
+    between, so memory stays bounded; ``produce`` is always exhausted, even after the
+    writer failed, so every rank's collectives stay matched.  Re-raises the writer's error.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    failure: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            consume(iter(q.get, done))
+        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
+            failure.append(err)
+            while q.get() is not done:  # unblock the producer
+                pass
+
+    thread = threading.Thread(target=worker, name="tpcompile-writer", daemon=True)
+    thread.start()
+    for item in produce:
+        if not failure:
+            q.put(item)
+    q.put(done)
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 def write_configs(model: nn.Module, out: Path, dtype: torch.dtype | None = None) -> None:

@@ -24,6 +24,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,23 +166,25 @@ def _layout(model: nn.Module) -> dict[str, Any]:
 # ---- sharded (DCP, HF layout) ---------------------------------------------------------
 
 
-_world_mesh: DeviceMesh | None = None
+_world_meshes: dict[Any, DeviceMesh] = {}
+_mirrors: dict[int, DeviceMesh] = {}
 
 
-def _chunk(full: torch.Tensor) -> torch.Tensor:
-    """This rank's row chunk of an HF tensor, as a DTensor over the whole world (a copy:
-    training may change ``full``'s source while a background write reads it)."""
-    global _world_mesh
+def _chunk(full: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """This rank's row chunk of an HF tensor, as a DTensor over the whole world (``group``:
+    the world, or its background twin), copied so training may go on changing the source."""
     _, world = _world()
     if world == 1 or full.dim() == 0:
         return full.detach().clone()
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if _world_mesh is None:
-        _world_mesh = DeviceMesh.from_group(dist.group.WORLD, full.device.type)
-    dt = DTensor.from_local(full, _world_mesh, [Replicate()], run_check=False)
-    local = dt.redistribute(_world_mesh, [Shard(0)]).to_local().clone()
-    return DTensor.from_local(local, _world_mesh, [Shard(0)], run_check=False, shape=full.shape,
+    group = group or dist.group.WORLD
+    if group not in _world_meshes:
+        _world_meshes[group] = DeviceMesh.from_group(group, full.device.type)
+    mesh = _world_meshes[group]
+    dt = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+    local = dt.redistribute(mesh, [Shard(0)]).to_local().clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
                               stride=full.stride())
 
 
@@ -191,25 +194,108 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+@dataclass
+class _Piece:
+    """One tensor as this rank holds it, copied: enough to rebuild its DTensor later."""
+
+    name: str  # "model/<key>" or "optim/<fqn>/<state>"
+    layout: TensorMap | None  # HF layout; None for per-parameter scalars (AdamW's step)
+    local: torch.Tensor
+    placements: tuple | None = None
+    mesh: DeviceMesh | None = None
+    shape: torch.Size | None = None
+    stride: tuple[int, ...] | None = None
+
+
+def _snapshot(name: str, layout: TensorMap | None, value: torch.Tensor) -> _Piece:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return _Piece(name, layout, value.detach().clone())
+    return _Piece(name, layout, value.to_local().detach().clone(), tuple(value.placements),
+                  value.device_mesh, value.shape, value.stride())
+
+
+@dataclass
+class _Staged:
+    pieces: list[_Piece]
+    meshes: _Meshes
+
+
+class _Meshes:
+    """The meshes a conversion runs its collectives on: the training job's own, or (for
+    background saves) mirrors with fresh process groups of the same shape."""
+
+    def __init__(self, model: nn.Module, mirror: bool) -> None:
+        self.root = _root_mesh(model)
+        self.mirrored = mirror and self.root is not None
+        self.world_group: Any = _background_group() if mirror else None
+        if self.mirrored:
+            key = id(self.root)
+            if key not in _mirrors:  # created once per mesh, by every rank, in step
+                from torch.distributed.device_mesh import init_device_mesh
+
+                if not self.root.mesh_dim_names:
+                    raise TPError("async sharded saves need a DeviceMesh with dim names")
+                _mirrors[key] = init_device_mesh(self.root.device_type, tuple(self.root.shape),
+                                                 mesh_dim_names=self.root.mesh_dim_names)
+            self.root = _mirrors[key]
+
+    def mesh(self, original: DeviceMesh) -> DeviceMesh:
+        if not self.mirrored:
+            return original
+        dims = tuple(original.mesh_dim_names or ())
+        return self.root[dims if len(dims) > 1 else dims[0]]
+
+    def tp(self) -> Any:
+        from .shards import TPContext
+
+        if self.root is None or "tp" not in (self.root.mesh_dim_names or ()):
+            return TPContext(None)
+        return TPContext(self.root["tp"])
+
+
+def _root_mesh(model: nn.Module) -> DeviceMesh | None:
+    mesh: DeviceMesh | None = getattr(model, "tpcompile_mesh", None)
+    if mesh is None:
+        return None
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    return root if root is not None else mesh
+
+
 def _stage_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                   extra: dict | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                   extra: dict | None) -> tuple[list[_Piece], dict[str, Any]]:
+    """Copy what this rank holds (no collectives): cheap, so async saves block briefly."""
     table = hf.table_of(model, plain_ok=True)
-    ctx = tp_context(model)
-    state: dict[str, Any] = {}
-    for key in table.saved_keys():
-        state[f"model/{key}"] = _chunk(hf.hf_tensor(table.tensors[key], lookup(model, key)[2], ctx))
+    pieces = [_snapshot(f"model/{k}", table.tensors[k], lookup(model, k)[2]) for k in table.saved_keys()]
     osd, entries = _optim_entries(model, optimizer, table)
-    for fqn, name, t in entries:
-        value = osd["state"][fqn][name]
-        state[f"optim/{fqn}/{name}"] = _chunk(hf.hf_tensor(t, value, ctx)) if t is not None \
-            else tp_local(value).clone()
-    return state, _meta(SHARDED_FORMAT, model, table, osd, entries, extra)
+    pieces += [_snapshot(f"optim/{f}/{n}", t, osd["state"][f][n]) for f, n, t in entries]
+    return pieces, _meta(SHARDED_FORMAT, model, table, osd, entries, extra)
+
+
+def _to_hf_chunks(pieces: list[_Piece], meshes: _Meshes) -> dict[str, Any]:
+    """Each piece → its HF tensor → this rank's row chunk (collectives on ``meshes``)."""
+    from torch.distributed.tensor import DTensor
+
+    ctx = meshes.tp()
+    state: dict[str, Any] = {}
+    for p in pieces:
+        value = p.local
+        if p.placements is not None:
+            value = DTensor.from_local(p.local, meshes.mesh(p.mesh), p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride)
+        full = hf.hf_tensor(p.layout, value, ctx) if p.layout is not None else tp_local(value)
+        state[p.name] = _chunk(full, meshes.world_group)
+        p.local = torch.empty(0)  # free the snapshot as soon as it is converted
+    return state
 
 
 def _write_sharded(state: dict[str, Any], meta: dict[str, Any], tmp: Path, group: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     rank, world = _world()
+    if isinstance(state, _Staged):
+        state = _to_hf_chunks(state.pieces, state.meshes)
     dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
     if rank == 0:
         _write_meta(tmp, meta)
@@ -421,6 +507,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         return SaveHandle(final)
     stage, write = (_stage_sharded, _write_sharded) if kind == "sharded" else (_stage_local, _write_local)
     data, meta = stage(model, optimizer, extra)
+    if kind == "sharded":  # layout conversion runs where the write runs, on its own groups if async
+        data = _Staged(data, _Meshes(model, mirror=async_ and _world()[1] > 1))
 
     def job(group: Any) -> None:
         with distributed_atomic_dir(final, overwrite=overwrite, group=group) as tmp:
