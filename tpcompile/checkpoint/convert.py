@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from .hf import (
     file_names,
     nbytes,
     parse_size,
+    pipelined,
     split_by_size,
 )
 from .safetensors_io import SliceReader, StreamWriter
@@ -38,6 +39,7 @@ from .safetensors_io import SliceReader, StreamWriter
 __all__ = ["Source", "detect_kind", "register_source", "translate_checkpoint"]
 
 _CONFIG_FILES = ("config.json", "generation_config.json")
+_BATCH = 256 * 1024 * 1024  # bytes read from a sharded checkpoint per call
 
 
 @dataclass
@@ -106,13 +108,20 @@ def _open_sharded(root: Path) -> Source:
     import torch.distributed.checkpoint as dcp
 
     _, entries = _hf_entries(json.loads((root / META_NAME).read_text()))
-    shapes = {k: (d, s) for k, d, s in entries}
+    order = {k: i for i, (k, _, _) in enumerate(entries)}
+    ready: dict[str, torch.Tensor] = {}
 
     def read(key: str) -> torch.Tensor:
-        dtype, shape = shapes[key]
-        box = {f"model/{key}": torch.empty(shape, dtype=dtype)}
-        dcp.load(box, checkpoint_id=root, no_dist=True)
-        return box[f"model/{key}"]
+        if key not in ready:  # one DCP read per batch of up to _BATCH bytes, in file order
+            box, size = {}, 0
+            for k, d, s in entries[order[key]:]:
+                if box and size + nbytes(d, s) > _BATCH:
+                    break
+                box[f"model/{k}"] = torch.empty(s, dtype=d)
+                size += nbytes(d, s)
+            dcp.load(box, checkpoint_id=root, no_dist=True)
+            ready.update({k.removeprefix("model/"): v for k, v in box.items()})
+        return ready.pop(key)
 
     return Source(root=root, entries=entries, read=read)
 
@@ -184,14 +193,20 @@ def translate_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *,
             _copy_config(source.root, tmp, dtype)
             names = file_names(len(files))
             weight_map: dict[str, str] = {}
-            for group, name in zip(files, names, strict=True):
-                with StreamWriter(tmp / name, group) as w:
-                    for key, d, s in group:
-                        w.write(key, source.read(key).to(d))
-                        weight_map[key] = name
-                        if bar is not None:
-                            bar.update(nbytes(d, s))
-                    written += w.bytes_written
+
+            def write_all(tensors: Iterator[torch.Tensor]) -> None:
+                nonlocal written
+                for group, name in zip(files, names, strict=True):
+                    with StreamWriter(tmp / name, group) as w:
+                        for key, d, s in group:
+                            w.write(key, next(tensors))
+                            weight_map[key] = name
+                            if bar is not None:
+                                bar.update(nbytes(d, s))
+                        written += w.bytes_written
+
+            # reading the next tensors overlaps with writing the previous ones
+            pipelined(write_all, (source.read(k).to(d) for k, d, _ in entries))
             if len(files) > 1:
                 index = {"metadata": {"total_size": written}, "weight_map": weight_map}
                 (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
