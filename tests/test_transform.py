@@ -137,3 +137,32 @@ def test_loss_parallel_keeps_logits_sharded() -> None:
         assert loss_err < TOL
         assert local_vocab == 128  # 256 / tp: the full logits never exist
         assert grad_err < TOL
+
+
+def _backward_all_reduces(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    model = _build("llama", {})
+    tpcompile.transform(model, tp=world)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    loss = model(ids, labels=ids).loss
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003 - a transparent wrapper
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        loss.backward()
+    finally:
+        dist.all_reduce = original
+    return len(calls)
+
+
+@pytest.mark.slow
+def test_one_backward_all_reduce_per_tp_region() -> None:
+    # q|k|v share one input, gate|up another: one all-reduce each, plus the LM head's input
+    layers = tiny_config("llama").num_hidden_layers
+    assert run_distributed(_backward_all_reduces, 2) == [2 * layers + 1] * 2

@@ -154,6 +154,8 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
+    if hasattr(backend, "reset"):  # an input shared by column modules never spans two passes
+        model.register_forward_pre_hook(lambda *_: backend.reset())
     model.tpcompile_plan = plan
     return model
 

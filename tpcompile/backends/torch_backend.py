@@ -57,6 +57,32 @@ class TorchBackend:
         self.group = mesh.get_group()
         self.rank = mesh.get_local_rank()
         self.tp = mesh.size()
+        # the last input that entered the TP region, its version and its copy_to_tp view
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        """Forget the shared input (each top-level forward starts a new autograd graph)."""
+        self._last = None
+
+    def copy_in(self, t: torch.Tensor) -> torch.Tensor:
+        """``copy_to_tp(t)``, shared by consecutive column modules that read the same ``t``.
+
+        q, k and v (or gate and up) read one normed activation: entering the TP region
+        once makes autograd sum their input gradients *before* the single backward
+        all-reduce, instead of one all-reduce per projection (Megatron's fused "f").
+        Only the last input is remembered, so nothing outlives the next column module's
+        call; an in-place change of ``t`` (version bump) makes a fresh copy.
+        """
+        if not t.is_floating_point():
+            return t
+        if not torch.is_grad_enabled():
+            return comm.copy_to_tp(t, self.group)
+        last = self._last
+        if last is not None and last[0] is t and last[1] == t._version:
+            return last[2]
+        out = comm.copy_to_tp(t, self.group)
+        self._last = (t, t._version, out)
+        return out
 
     # ---- parameters ---------------------------------------------------------------
     def local_shard(self, full: torch.Tensor, plan: ParamPlan, rank: int | None = None) -> torch.Tensor:
@@ -117,9 +143,7 @@ class TorchBackend:
                 mod._parameters[name] = torch.zeros_like(_local(p))
             state["saved"] = saved
             if mplan.copy_inputs:
-                def copy(t: torch.Tensor) -> torch.Tensor:
-                    return comm.copy_to_tp(t, group) if t.is_floating_point() else t
-                args, kwargs = _map_tensors(args, copy), _map_tensors(kwargs, copy)
+                args, kwargs = _map_tensors(args, self.copy_in), _map_tensors(kwargs, self.copy_in)
             if vocab_range is not None:
                 start, end = vocab_range
                 ids = args[0] if args else kwargs["input"]
