@@ -12,6 +12,7 @@ Ratios are against the targets: plan_model < 10 s for 405B, dump-plan < 15 s.
 from __future__ import annotations
 
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,25 +37,30 @@ def _plan_once(preset: str) -> dict[str, float]:
 
     t0 = time.perf_counter()
     model = build_meta_model(preset)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     plan = plan_model(model, tp=TP)
-    t2 = time.perf_counter()
-    return {"build": t1 - t0, "plan": t2 - t1, "capture": plan.stats["capture_s"],
+    t2, c2 = time.perf_counter(), time.process_time()
+    return {"build": t1 - t0, "plan": t2 - t1, "cpu": c2 - c1, "capture": plan.stats["capture_s"],
             "analysis": plan.stats["analysis_s"], "blocks": len(plan.blocks),
             "traced": plan.stats["traced_blocks"], "passes": plan.stats["analysis_passes"]}
 
 
-def _subprocess_once(cmd: list[str]) -> tuple[float, str]:
-    """Wall seconds of one subprocess and the ``time: ...`` line it printed, if any."""
-    t0 = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _subprocess_once(cmd: list[str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds of one subprocess, and the ``time: ...`` line it printed."""
+    t0, c0 = time.perf_counter(), _children_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DUMP_TIMEOUT_S,
                           check=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}: "
                            f"{proc.stderr.strip()[-500:]}")
     timing = re.search(r"^time: .*$", proc.stdout, flags=re.MULTILINE)
-    return wall, timing.group(0) if timing else ""
+    return wall, cpu, timing.group(0) if timing else ""
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -67,15 +73,14 @@ def run(quick: bool) -> dict[str, Any]:
     # it is reported on its own so the medians below are the steady state.
     cold = _plan_once("llama")
     samples: dict[str, list[dict[str, float]]] = {p: [] for p in PRESETS}
-    dump: list[float] = []
-    imports: list[float] = []
-    dump_timing = ""
-    for _ in range(repeats):
-        for preset in PRESETS:
+    dump: list[tuple[float, float, str]] = []
+    imports: list[tuple[float, float, str]] = []
+    names = list(PRESETS)
+    for r in range(repeats):
+        for preset in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
             samples[preset].append(_plan_once(preset))
-        wall, dump_timing = _subprocess_once(DUMP_CMD)
-        dump.append(wall)
-        imports.append(_subprocess_once(IMPORT_CMD)[0])
+        dump.append(_subprocess_once(DUMP_CMD))
+        imports.append(_subprocess_once(IMPORT_CMD))
 
     rows = [row(f"plan_model llama (8B) tp={TP}, first call in process", [cold["plan"]],
                 baseline=PLAN_TARGET_S, note="cold: includes one-time imports/set-up")]
@@ -83,21 +88,26 @@ def run(quick: bool) -> dict[str, Any]:
         runs = samples[preset]
         last = runs[-1]
         build = statistics.median(r["build"] for r in runs)
+        cpu = statistics.median(r["cpu"] for r in runs)
         rows.append(row(f"plan_model {preset} ({size}) tp={TP}", [r["plan"] for r in runs],
                         baseline=PLAN_TARGET_S,
                         note=f"{last['blocks']} blocks traced as "
                              f"{sum(last['traced'].values())}; "
-                             f"{last['passes']} analysis passes; meta build {build:.2f} s "
-                             "(not included)"))
+                             f"{last['passes']} analysis passes; CPU {cpu:.2f} s; "
+                             f"meta build {build:.2f} s (not included)"))
         for stage in ("capture", "analysis"):
             rows.append(row(f"  ↳ {stage}", [r[stage] for r in runs],
                             note="plan.stats" if stage == "capture" else
                             "plan.stats: rules, partition, fix-ups, build_plan"))
-    rows.append(row(f"dump-plan llama-405b --tp {TP} (subprocess)", dump,
-                    baseline=DUMP_TARGET_S, note=f"incl. interpreter start; last run: "
-                                                 f"{dump_timing}"))
+    dump_cpu = statistics.median(d[1] for d in dump)
+    rows.append(row(f"dump-plan llama-405b --tp {TP} (subprocess)", [d[0] for d in dump],
+                    baseline=DUMP_TARGET_S,
+                    note=f"incl. interpreter start; CPU {dump_cpu:.2f} s; its own report "
+                         f"(last run): {dump[-1][2].removeprefix('time: ')}"))
     rows.append(row("  ↳ interpreter start + imports (python -c 'import tpcompile.cli, ...')",
-                    imports, note="the floor of any dump-plan run"))
+                    [d[0] for d in imports],
+                    note=f"the floor of any dump-plan run; CPU "
+                         f"{statistics.median(d[1] for d in imports):.2f} s"))
     verdicts = []
     big = next(r for r in rows if r["name"].startswith("plan_model llama-405b"))
     dump_row = next(r for r in rows if r["name"].startswith("dump-plan"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -26,11 +27,13 @@ if str(HERE) not in sys.path:  # sections import each other as top-level modules
 
 from common import host_info  # noqa: E402  (needs the path above)
 
-# name -> (module in benchmarks/, one-line description).  Later sections (load memory,
-# checkpoint I/O) plug in here with the same run(quick) interface.
+# name -> (module in benchmarks/, one-line description); a new section plugs in here with
+# the same run(quick) interface.
 SECTIONS: dict[str, tuple[str, str]] = {
     "train_step": ("train_step", "training-step time vs HF native TP and a DTensor plan"),
     "compile_time": ("compile_time", "plan_model and dump-plan wall time on meta models"),
+    "load_memory": ("load_memory", "peak resident memory per rank when loading a checkpoint"),
+    "checkpoint_io": ("checkpoint_io", "checkpoint save / translate throughput vs disk limit"),
 }
 
 
@@ -68,7 +71,9 @@ def render_section(name: str, res: dict[str, Any]) -> list[str]:
     for table in res.get("tables", []):
         lines += [f"**{table['title']}**", "", *_md_table(table["header"], table["rows"]), ""]
     lines += [f"- {n}" for n in res.get("notes", [])]
-    lines += ["", f"section wall time: {res.get('elapsed_s', 0):.1f} s", ""]
+    load = res.get("loadavg_1m")
+    load_text = f"; host 1-min load average {load[0]:.1f} → {load[1]:.1f}" if load else ""
+    lines += ["", f"section wall time: {res.get('elapsed_s', 0):.1f} s{load_text}", ""]
     return lines
 
 
@@ -90,6 +95,7 @@ def render(report: dict[str, Any]) -> str:
 def run_section(name: str, quick: bool) -> dict[str, Any]:
     """Import and run one section; a crash becomes an ``error`` entry, not an abort."""
     module_name, _ = SECTIONS[name]
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     try:
         res = importlib.import_module(module_name).run(quick)
@@ -98,6 +104,8 @@ def run_section(name: str, quick: bool) -> dict[str, Any]:
         res = {"title": SECTIONS[name][1], "rows": [],
                "error": f"{type(exc).__name__}: {exc}".strip()}
     res["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    # Other work on the host skews timings; the 1-minute load average says how much.
+    res["loadavg_1m"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     return res
 
 

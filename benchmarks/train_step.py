@@ -19,24 +19,16 @@ with the profiler (gloo events), forward and backward separately.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import os
-import pickle
-import queue as queue_mod
 import statistics
-import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import free_port, row, section_result
+from common import quiet_stderr, row, section_result, spawn_ranks
 from torch import nn
 
 WORLD = 2
@@ -60,7 +52,7 @@ class Spec:
     batch: int = 2
     seq: int = 256
     warmup: int = 2
-    repeats: int = 5
+    repeats: int = 7
     timeout_s: float = 900.0
 
     def llama_config(self) -> Any:
@@ -198,20 +190,6 @@ def _numel(shape: Any) -> int:
     return n
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence fd 2 (kineto prints a line per profiler start/stop from C++)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _agree(ok: bool) -> bool:
     """True only if ``ok`` holds on every rank, so all ranks drop a competitor together."""
     flag = torch.tensor([0 if ok else 1])
@@ -242,6 +220,9 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
         elif rank == 0:
             print(f"  built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
     active = [n for n in (*TP2, *TP1) if n in models]
+    if not active:
+        raise RuntimeError("no competitor could be built: " + "; ".join(
+            f"{n}: {e}" for n, e in errors.items()))
     mine = [n for n in active if n in TP2 or rank == 0]
     for name in mine:
         models[name].train()
@@ -277,7 +258,7 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
     for name in active:
         if name not in TP2:
             continue
-        with _quiet_stderr():
+        with quiet_stderr():
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p_fwd:
                 loss = models[name](input_ids=ids, labels=ids).loss
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p_bwd:
@@ -286,63 +267,6 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
         comms[name] = {"fwd": _count_collectives(p_fwd), "bwd": _count_collectives(p_bwd)}
     return {"samples": samples, "losses": losses, "errors": errors, "comms": comms,
             "idle_cpu_s": idle_cpu, "idle_wall_s": idle_wall}
-
-
-def _worker(rank: int, port: int, spec: Spec, model_dir: str, results: Any) -> None:
-    """One spawned rank; reports ``(rank, ok, payload)`` where payload is pickled bytes."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # 2 processes on 2 cores: one intra-op thread each
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=spec.timeout_s / 2))
-        out = _bench(rank, spec, model_dir)
-        results.put((rank, True, pickle.dumps(out)))
-        dist.barrier()  # no rank tears gloo down while its peer still talks
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(spec: Spec, model_dir: str) -> dict[str, Any]:
-    """Run the workers with a deadline; every rank's payload, or RuntimeError with the cause."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, spec, model_dir, results), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + spec.timeout_s
-    try:
-        while len(got) < WORLD:
-            try:
-                rank, ok, payload = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"worker pid {dead[0].pid} died with exit code "
-                                       f"{dead[0].exitcode} before reporting") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"train_step timed out after {spec.timeout_s:.0f} s "
-                                       f"(results from ranks {sorted(got)})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            got[rank] = pickle.loads(payload)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-    return got
 
 
 # ------------------------------------------------------------------------------ section
@@ -406,7 +330,7 @@ def run(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as model_dir:
         torch.manual_seed(0)
         LlamaForCausalLM(spec.llama_config()).save_pretrained(model_dir)
-        per_rank = _spawn(spec, model_dir)
+        per_rank = spawn_ranks(_bench, WORLD, (spec, model_dir), timeout_s=spec.timeout_s)
 
     res = per_rank[0]
     tokens = spec.batch * spec.seq
