@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, root: str, repeats: int, out: Any) -> None:
     opt.step()
     res: dict[str, list[float]] = {"save_pretrained": [], "raw": [], "sync": [], "async_block": [],
                                    "async_total": []}
-    for i in range(repeats):
+    for _ in range(repeats):
         res["save_pretrained"].append(_timed(lambda: tpcompile.save_pretrained(model, root / "ours")))
 
         def raw() -> None:
@@ -110,15 +110,8 @@ def _translate_vs_merge(root: Path, repeats: int) -> tuple[list[float], list[flo
         from accelerate.utils import merge_fsdp_weights
     except ImportError:
         merge_fsdp_weights = None
-    # an equivalent DCP checkpoint as accelerate's FSDP SHARDED_STATE_DICT saves it
-    sd = load_file(str(root / "ours" / "model.safetensors")) if (root / "ours" / "model.safetensors").exists() \
-        else {}
-    if not sd:
-        from tpcompile.checkpoint.convert import _open_full
-
-        src = _open_full(root / "ours")
-        sd = {k: src.read(k) for k, _, _ in src.entries}
-        src.close()
+    # an equivalent DCP checkpoint, as accelerate's FSDP SHARDED_STATE_DICT saves it
+    sd = {k: v for f in sorted((root / "ours").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     dcp.save({"model": sd}, checkpoint_id=root / "dcp", no_dist=True)
     ours, theirs = [], []
     for i in range(repeats):

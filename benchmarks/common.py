@@ -90,7 +90,6 @@ def host_info() -> dict[str, Any]:
         pass
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "usable_cores": affinity,

@@ -37,8 +37,10 @@ def grad_errors(model: torch.nn.Module, ref: torch.nn.Module, tp: int) -> dict[s
     for name, p in model.named_parameters():
         want = ref_params[name].grad
         g = p.grad
+        pp = plan.params[name]
+        if isinstance(g, DTensor) and pp.shard_dim is None:
+            g = g.full_tensor()
         if isinstance(g, DTensor):
-            pp = plan.params[name]
             chunks = g.full_tensor().chunk(tp, dim=pp.shard_dim)
             index = torch.as_tensor(pp.index())
             err = 0.0
@@ -166,3 +168,23 @@ def test_one_backward_all_reduce_per_tp_region() -> None:
     # q|k|v share one input, gate|up another: one all-reduce each, plus the LM head's input
     layers = tiny_config("llama").num_hidden_layers
     assert run_distributed(_backward_all_reduces, 2) == [2 * layers + 1] * 2
+
+
+def _foreach_step(rank: int, world: int) -> float:
+    ref = _build("llama", {})
+    model = copy.deepcopy(ref)
+    tpcompile.transform(model, tp=world)
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # no Tensor/DTensor mix
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    for m in (ref, model):
+        m(ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, foreach=True)
+        torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True).step()
+    with torch.no_grad():
+        return (model(ids).logits - ref(ids).logits).abs().max().item()
+
+
+@pytest.mark.slow
+def test_foreach_optimizer_and_grad_clipping_work() -> None:
+    # GPU optimizers default to foreach kernels, which reject a mix of DTensors and tensors
+    assert max(run_distributed(_foreach_step, 2)) < TOL

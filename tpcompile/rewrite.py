@@ -122,14 +122,14 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     swaps: dict[str, list[str]] = defaultdict(list)
     done: dict[int, nn.Parameter] = {}
     for name, pp in plan.params.items():
-        if pp.shard_dim is None:
-            continue
         mname, pname = _owner(name)
         old = mods[mname]._parameters[pname]
         new = done.get(id(old))
         if new is None:
+            # replicated parameters become replicated DTensors too: optimizers' foreach
+            # kernels and grad clipping refuse a mix of DTensors and plain tensors
             with torch.no_grad():
-                local = backend.local_shard(old.detach(), pp)
+                local = old.detach() if pp.shard_dim is None else backend.local_shard(old.detach(), pp)
             new = backend.make_param(local, pp, old.requires_grad)
             done[id(old)] = new
         for alias in [name, *pp.tied_to]:
@@ -156,6 +156,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
             apply_fixups(mods[mname], mp.attr_fixups)
     if hasattr(backend, "reset"):  # an input shared by column modules never spans two passes
         model.register_forward_pre_hook(lambda *_: backend.reset())
+        model.register_forward_hook(lambda *_: backend.reset())
     model.tpcompile_plan = plan
     return model
 

@@ -3,10 +3,11 @@
 The model's own ``forward`` code runs unchanged.  Parallelism is wrapped around modules
 from outside with hooks:
 
-* every sharded parameter is stored as a ``DTensor`` (``Shard(dim)`` of its tpcompile
-  layout over the TP mesh), so ``state_dict``, optimizers, gradient clipping and FSDP2
-  see global shapes; during the owning module's forward it is swapped for its local
-  shard (``to_local`` is differentiable, so gradients land on the DTensor);
+* every parameter is stored as a ``DTensor`` over the TP mesh (``Shard(dim)`` of its
+  tpcompile layout, or ``Replicate()``), so ``state_dict``, optimizers (foreach kernels
+  included), gradient clipping and FSDP2 see global shapes; during the owning module's
+  forward it is swapped for its local tensor (``to_local`` is differentiable, so
+  gradients land on the DTensor);
 * column-parallel modules see their inputs through ``copy_to_tp`` (identity forward,
   all-reduce of the input gradient backward): ``Y_r = X · W_r``;
 * row-parallel modules all-reduce their partial output, ``Y = Σ_r X_r · W_r``, and add
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import comm
 from ..plan import ModulePlan, ParamPlan, select_rows
@@ -91,6 +92,9 @@ class TorchBackend:
         return select_rows(full, plan.shard_dim, plan.index()[rank])
 
     def make_param(self, local: torch.Tensor, plan: ParamPlan, requires_grad: bool) -> nn.Parameter:
+        if plan.shard_dim is None:
+            dt = DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
+            return nn.Parameter(dt, requires_grad=requires_grad)
         global_shape = list(local.shape)
         global_shape[plan.shard_dim] *= self.tp
         dt = DTensor.from_local(
