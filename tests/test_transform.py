@@ -175,6 +175,8 @@ def _foreach_step(rank: int, world: int) -> float:
     model = copy.deepcopy(ref)
     tpcompile.transform(model, tp=world)
     assert all(isinstance(p, DTensor) for p in model.parameters())  # no Tensor/DTensor mix
+    # default mode: logits are gathered for the caller, the loss runs on the local shard
+    assert model.loss_function.__name__ == "loss_function"
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     for m in (ref, model):
         m(ids, labels=ids).loss.backward()

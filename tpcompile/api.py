@@ -189,10 +189,9 @@ def transform(
     if load_state_dict_from_rank0 and dist.get_rank() == 0:
         full = dict(model.state_dict())  # the real tensors, released one by one while sent
     apply_plan(model, plan, be)
-    if loss_parallel:
-        from .loss_patch import install_loss_parallel
+    from .loss_patch import install_local_loss, install_loss_parallel
 
-        install_loss_parallel(model, plan, be)
+    (install_loss_parallel if loss_parallel else install_local_loss)(model, plan, be)
     model.tpcompile_mesh = tp_mesh
     model.tpcompile_table = table
     if load_state_dict_from_rank0:

@@ -18,7 +18,30 @@ from .errors import TPError
 from .loss import loss_parallel_causal_lm_loss
 from .plan import Plan, Role
 
-__all__ = ["install_loss_parallel"]
+__all__ = ["install_loss_parallel", "install_local_loss"]
+
+
+def install_local_loss(model: nn.Module, plan: Plan, backend: Any) -> None:
+    """Default mode: the logits are gathered for the caller, but the model's own loss is
+    computed from this rank's vocab shard (the vocab-parallel cross-entropy), so no rank
+    runs the full-vocabulary softmax and backward never touches the gathered logits.
+
+    Only when ``loss_function`` receives exactly the gathered LM-head output; logits the
+    model changed first (Gemma-2's soft-capping) take the original loss.
+    """
+    heads = [p for p in plan.params.values() if p.role is Role.LM_HEAD]
+    original = getattr(model, "loss_function", None)
+    if not heads or not _is_causal_lm_loss(original) or not hasattr(backend, "gathered"):
+        return
+    local_loss = _local_loss_function(heads[0], backend)
+
+    def loss_function(logits: torch.Tensor, labels: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        local = backend.gathered(logits)
+        if local is None:
+            return original(logits, labels, *args, **kwargs)
+        return local_loss(local, labels, *args, **kwargs)
+
+    model.loss_function = loss_function
 
 
 def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
@@ -30,7 +53,20 @@ def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
             f"loss_parallel=True: {type(model).__name__} has no `loss_function` to route the loss "
             "through; compute the loss with tpcompile.loss.vocab_parallel_cross_entropy yourself"
         )
-    head = heads[0]
+    if not _is_causal_lm_loss(getattr(model, "loss_function", None)):
+        raise TPError(
+            f"loss_parallel=True: {type(model).__name__}'s loss is not transformers' causal-LM loss "
+            "(ForCausalLMLoss), which is the one tpcompile computes vocab-parallel; use loss_parallel=False"
+        )
+    model.loss_function = _local_loss_function(heads[0], backend)
+
+
+def _is_causal_lm_loss(fn: Any) -> bool:
+    # transformers' shifted next-token cross-entropy, the only loss the shard-local CE mirrors
+    return getattr(fn, "__name__", "") == "ForCausalLMLoss"
+
+
+def _local_loss_function(head: Any, backend: Any) -> Any:
     vocab_start = head.runs[backend.rank][0][0]
     vocab_size = head.global_shape[head.shard_dim]
     group = backend.group
@@ -49,4 +85,4 @@ def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
             ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
         )
 
-    model.loss_function = loss_function
+    return loss_function

@@ -60,10 +60,18 @@ class TorchBackend:
         self.tp = mesh.size()
         # the last input that entered the TP region, its version and its copy_to_tp view
         self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        # the LM head's last gathered logits and the local shard they came from
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reset(self) -> None:
         """Forget the shared input (each top-level forward starts a new autograd graph)."""
         self._last = None
+        self._gathered = None
+
+    def gathered(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The local vocab shard behind ``logits`` if they are the LM head's gathered output."""
+        g = self._gathered
+        return g[1] if g is not None and g[0] is logits else None
 
     def copy_in(self, t: torch.Tensor) -> torch.Tensor:
         """``copy_to_tp(t)``, shared by consecutive column modules that read the same ``t``.
@@ -177,7 +185,9 @@ class TorchBackend:
             if mplan.gather_output:
                 def gather(t: torch.Tensor) -> torch.Tensor:
                     full = comm.gather_from_tp(t, group, dim=-1)
-                    return full[..., : mplan.vocab_size] if mplan.vocab_size else full
+                    full = full[..., : mplan.vocab_size] if mplan.vocab_size else full
+                    self._gathered = (full, t)  # lets the model's loss use the local shard
+                    return full
                 out = _map_tensors(out, gather)
             return out
 
