@@ -7,10 +7,18 @@ island). The steps run in torchtitan's order, each commented where it happens::
     transform(model, tp, mesh=mesh["tp"])      # 1. TP: DTensor params over "tp", hooks
     checkpoint_blocks / offload_activations    # 2. activation memory, per block
     fully_shard(block) for block; fully_shard(model)   # 3. FSDP2 over the dp dims
-    to_empty + per-tensor init / rank-0 weights        # 4. only for meta / rank-0 loading
+    to_empty + per-tensor init / rank-0 weights /      # 4. only for meta / rank-0 /
+        each rank's rows of an HF checkpoint           #    load_from= loading
 
 Parameters end up as DTensors over ``(dp..., tp)``: FSDP2 shards each TP shard further
 along dim 0 over ``dp_shard`` and replicates it over ``dp_replicate``.
+
+**Delayed load** (``load_from=<HF directory>``). The model is built on the meta device,
+sharded, ``to_empty`` allocates only this rank's shards, and
+:func:`~tpcompile.checkpoint.hf.load_hf_weights` fills them: each rank reads (``pread``) only
+the rows of its TP shard and keeps its FSDP piece of them, one tensor at a time. Buffers
+no checkpoint stores (rotary tables) are recomputed by the model's own init. No random
+init runs. Peak memory per rank: its shards plus one TP shard of the largest tensor.
 
 **Delayed init.** A model built on the meta device is sharded first and materialized
 after: ``to_empty`` allocates only this rank's shards, then each tensor's *full* value is
@@ -33,6 +41,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +72,7 @@ def parallelize(
     loading_horizon: int = 2,
     seed: int | None = None,
     config: Any = None,
+    load_from: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Tensor-parallel + FSDP2 (+ activation checkpointing/offloading) in one call, in place.
 
@@ -87,9 +97,22 @@ def parallelize(
         config: an SMP v2 or accelerate config (dict, JSON string, .json/.yaml path) or a
             dict of these keywords. A keyword left at its default defers to the config;
             one set to a different value than the config raises.
+        load_from: a Hugging Face checkpoint directory (safetensors, as ``save_pretrained``
+            writes it) to load instead of initializing: build the model on the meta device
+            (``from_config`` of the checkpoint's config) and every rank reads only the rows
+            of its own shards after sharding; no rank ever holds the model and no random
+            init runs. It supersedes rank-0 loading (``fsdp_cpu_ram_efficient_loading`` /
+            ``fsdp_sync_module_states``): every rank reads the files itself. A materialized
+            model is overwritten in place. A *training* checkpoint
+            (``tpcompile.checkpoint.save``, kind sharded/local) is not an HF directory:
+            parallelize first (``seed=`` initializes a meta model, shards only), then
+            ``tpcompile.checkpoint.load(path, model, optimizer)``.
 
     Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh) and
-    ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`).
+    ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`);
+    with ``load_from``, ``model.tpcompile_load_stats`` holds this rank's
+    ``{"bytes_read", "tensors"}``. ``model.tpcompile_table`` (the HF translation table every
+    checkpoint function reads) exists at ``tp=1`` too.
 
     Example:
         >>> dist.init_process_group("gloo")                       # doctest: +SKIP
@@ -98,6 +121,9 @@ def parallelize(
         >>> model = tpcompile.parallelize(model, tp=2, seed=0)   # world 8: dp_shard=4
         >>> model.tpcompile_mesh.shape, model.tpcompile_parallel.sharding_strategy.value
         ((1, 4, 2), 'FULL_SHARD')
+        >>> with torch.device("meta"):                           # load, never initialize
+        ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        >>> model = tpcompile.parallelize(model, tp=2, load_from=path)
     """
     given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, sharding_strategy=sharding_strategy,
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
@@ -112,10 +138,17 @@ def parallelize(
         raise TPError("this model is already parallelized or transformed; pass the original model "
                       "(parallelize applies tensor parallelism itself)")
     cfg = resolve_config(config, world_size=dist.get_world_size(), **explicit)
+    if load_from is not None:
+        _check_checkpoint_dir(load_from)  # collective: fail on every rank before any work
+        # every rank reads its own rows: a rank-0 broadcast would only add a full copy
+        cfg = replace(cfg, load_from_rank0=False)
     device = _device_type(model)
     mesh = init_device_mesh(device, cfg.mesh_shape, mesh_dim_names=MESH_DIMS)
-    # record what delayed init / rank-0 loading needs before any module is rewritten
-    pending = _Materializer.prepare(model, cfg)
+    # record what delayed init / rank-0 / checkpoint loading needs before any module is
+    # rewritten
+    pending: _Materializer | _CheckpointLoader | None = (
+        _Materializer.prepare(model, cfg) if load_from is None
+        else _CheckpointLoader.prepare(model, load_from))
 
     # 1. tensor parallelism; the analysis also names the transformer blocks (wrap units)
     if cfg.tp > 1:
@@ -125,8 +158,13 @@ def parallelize(
         blocks = list(model.tpcompile_plan.blocks)
     else:
         from .api import plan_model
+        from .translate import build_table
 
         blocks = list(plan_model(model, 1).blocks)
+        # the tp=1 translation table (every tensor whole), taken while names and shapes
+        # are still the HF ones: load_hf_weights, hf_state_dict, save_pretrained and
+        # the training checkpoints need one, and transform only builds it for tp > 1
+        model.tpcompile_table = build_table(model, None)
     _check_wrap_classes(model, blocks, cfg.wrap_classes)
 
     # 2. activation checkpointing, then offloading, before FSDP so that FSDP's hooks end
@@ -143,11 +181,17 @@ def parallelize(
     # 3. FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest
     _fully_shard(model, blocks, cfg, mesh, device)
 
-    # 4. materialize a meta model (or take rank 0's weights): shards only, per tensor
-    used_seed = pending.run(model, mesh, device) if pending is not None else cfg.seed
+    # 4. materialize a meta model (or take rank 0's weights, or read each rank's rows of
+    #    an HF checkpoint): shards only, per tensor. The checkpoint code finds the TP
+    #    group through the 3-D mesh, so it is attached first.
+    model.tpcompile_mesh = mesh
+    used_seed = cfg.seed
+    if isinstance(pending, _CheckpointLoader):
+        model.tpcompile_load_stats = pending.run(model, device)
+    elif pending is not None:
+        used_seed = pending.run(model, mesh, device)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed + data_parallel_rank(mesh)[0])
-    model.tpcompile_mesh = mesh
     model.tpcompile_parallel = replace(cfg, seed=used_seed)
     return model
 
@@ -203,6 +247,86 @@ def _fully_shard(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh:
     for fqn in blocks:
         fully_shard(model.get_submodule(fqn), **kwargs)
     fully_shard(model, **kwargs)
+
+
+# ------------------------------------------------------------------ delayed loading
+
+
+def _checkpoint_dir_error(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as an HF checkpoint on this rank (``None``: it can)."""
+    import json
+
+    from .checkpoint import hf
+
+    meta = Path(path) / hf.META_NAME
+    if meta.exists():
+        try:
+            fmt = json.loads(meta.read_text()).get("format")
+        except ValueError:
+            fmt = None
+        if fmt in ("tpcompile-sharded", "tpcompile-local"):  # training.SHARDED/LOCAL_FORMAT
+            return (f"{path} is a tpcompile training checkpoint ({fmt}), not an HF directory: "
+                    "parallelize the model first (seed= initializes a meta model, shards only), "
+                    "then tpcompile.checkpoint.load(path, model, optimizer); or export it with "
+                    "`python -m tpcompile translate` and pass that directory as load_from")
+    try:
+        hf.checkpoint_files(path)  # every file's header and size: truncated files fail here
+    except (TPError, OSError) as err:
+        return str(err)
+    return None
+
+
+def _check_checkpoint_dir(path: str | os.PathLike) -> None:
+    """Raise on every rank if any rank cannot read ``path`` (a rank raising alone would
+    leave the others waiting in the next collective)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, _checkpoint_dir_error(path))
+    bad = [r for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise TPError(f"load_from: cannot read the checkpoint on ranks {bad}: {errors[bad[0]]}")
+
+
+class _CheckpointLoader:
+    """Fills a sharded model from an HF checkpoint directory after ``fully_shard``.
+
+    Parameters and the buffers the checkpoint stores are read shard-on-read; the other
+    buffers keep their real values (``to_empty`` wipes them, so they are recorded here
+    first) or, if built on meta, are recomputed by the model's own init.
+    """
+
+    def __init__(self, path: str | os.PathLike, buffers: list[_Tensor]) -> None:
+        self.path, self.buffers = path, buffers
+
+    @classmethod
+    def prepare(cls, model: nn.Module, path: str | os.PathLike) -> _CheckpointLoader:
+        records = _records(model, lambda t, is_param: not is_param)  # keep real buffers only
+        return cls(path, [r for r in records if not r.is_param])
+
+    def run(self, model: nn.Module, device: str) -> dict[str, Any]:
+        """Load; returns this rank's ``{"bytes_read", "tensors"}``."""
+        from .checkpoint.hf import checkpoint_files, load_hf_weights
+        from .checkpoint.pretrained import materialize_buffers
+        from .checkpoint.shards import lookup
+
+        wiped = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+        if wiped:
+            model.to_empty(device=device)  # allocates this rank's FSDP shards only
+        stats = load_hf_weights(model, self.path)
+        if not wiped:
+            return stats  # a materialized model: loaded in place, its buffers untouched
+        stored = set(checkpoint_files(self.path))
+        for rec in self.buffers:
+            if rec.fqn in stored:
+                continue  # read from the checkpoint, as transformers does
+            # real before to_empty: that value; built on meta: back to meta, so that
+            # materialize_buffers recomputes it (to_empty left uninitialized memory)
+            value = rec.value.to(device) if rec.value is not None else \
+                torch.empty(rec.shape, dtype=rec.dtype, device="meta")
+            for name in [rec.fqn, *rec.aliases]:
+                owner, attr, _ = lookup(model, name)
+                owner._buffers[attr] = value
+        materialize_buffers(model, device)
+        return stats
 
 
 # ------------------------------------------------------------------ delayed materialization
