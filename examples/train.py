@@ -24,9 +24,7 @@ What it shows, in order:
 4. An AdamW loop; rank 0 logs the global loss every step (``step N | loss L | ...``).
 5. Every ``--save-every`` steps and at the last step, an asynchronous sharded checkpoint
    (``tpcompile.checkpoint.save(..., kind="sharded", async_=True)``): training goes on
-   while it is written; it reloads at any tp/dp/world size. (For now synchronous where a
-   mesh dimension spans the whole world, e.g. every layout at world size 2: see
-   :func:`async_save_is_safe`.)
+   while it is written; it reloads at any tp/dp/world size.
 6. At the end, ``tpcompile.save_pretrained`` writes ``--out-dir``, a plain HF directory
    that ``transformers.AutoModelForCausalLM.from_pretrained`` loads without tpcompile.
 
@@ -148,17 +146,6 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> torc
     return (start + stride * torch.arange(seq)) % vocab
 
 
-def async_save_is_safe(model: nn.Module) -> bool:
-    """Work-around for a tpcompile limitation (to drop once fixed): an async sharded save
-    converts to HF layout on a background thread over *mirrored* mesh groups, but
-    ``init_device_mesh`` reuses the default process group for a mesh dimension that spans
-    the whole world (tp = world size, or dp_shard = world size at tp=1). The writer's
-    collectives then interleave with training's on the same group and the job hangs. Such
-    layouts (every layout at world 2) save synchronously."""
-    world = dist.get_world_size()
-    return world == 1 or all(size != world for size in model.tpcompile_mesh.shape)
-
-
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Learning rate of (1-based) ``step``: linear warmup, then constant."""
     return args.lr * min(1.0, step / args.warmup) if args.warmup > 0 else args.lr
@@ -205,10 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"resumed from {resume} at step {start}")
 
     # 4-5. train; checkpoint asynchronously
-    async_save = not args.sync_save and async_save_is_safe(model)
-    if not async_save and not args.sync_save:
-        log("note: checkpoints are saved synchronously at this layout (a mesh dimension spans "
-            "the world; see async_save_is_safe)")
+    async_save = not args.sync_save
     losses: dict[int, float] = {}
     handle = None
     model.train()

@@ -83,7 +83,7 @@ def hf_tensor(t: TensorMap, tensor: torch.Tensor, ctx: TPContext, dst: int | Non
 
 
 def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_only: bool = True,
-                    cpu_offload: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+                    cpu_offload: bool = True, copy: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield ``(key, hf_tensor)`` one key at a time; ``None`` on ranks that do not keep it.
 
     Every rank must iterate to the end (each step is a collective).
@@ -105,7 +105,10 @@ def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_on
         if not keep or hf is None:
             yield key, None
             continue
-        yield key, hf.cpu() if cpu_offload else hf
+        hf = hf.cpu() if cpu_offload else hf
+        if copy and hf.data_ptr() == tp_local(tensor).data_ptr():
+            hf = hf.clone()  # never hand out the live parameter
+        yield key, hf
 
 
 def hf_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -121,7 +124,7 @@ def hf_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: boo
     """
     table = table_of(model)
     out: dict[str, torch.Tensor] = {}
-    for key, hf in iter_hf_tensors(model, rank0_only=rank0_only, cpu_offload=cpu_offload):
+    for key, hf in iter_hf_tensors(model, rank0_only=rank0_only, cpu_offload=cpu_offload, copy=True):
         if hf is not None:
             out[key] = hf
     if not out:

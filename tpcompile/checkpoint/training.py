@@ -237,8 +237,14 @@ class _Meshes:
 
                 if not self.root.mesh_dim_names:
                     raise TPError("async sharded saves need a DeviceMesh with dim names")
-                _mirrors[key] = init_device_mesh(self.root.device_type, tuple(self.root.shape),
-                                                 mesh_dim_names=self.root.mesh_dim_names)
+                # a backend override forces fresh groups: without it a dim spanning the whole
+                # world would reuse the default group, which training is using right now
+                backend = dist.get_backend()
+                _mirrors[key] = init_device_mesh(
+                    self.root.device_type, tuple(self.root.shape),
+                    mesh_dim_names=self.root.mesh_dim_names,
+                    backend_override={n: backend for n in self.root.mesh_dim_names},
+                )
             self.root = _mirrors[key]
 
     def mesh(self, original: DeviceMesh) -> DeviceMesh:
