@@ -219,7 +219,7 @@ import os, sys, time, datetime
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 import tpcompile
-from tpcompile.checkpoint import safetensors_io
+from tpcompile.checkpoint import parallel_write
 from test_hf_checkpoint import _build
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=1)
@@ -231,15 +231,15 @@ with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)                                            # the next one differs
 writes = 0
-original = safetensors_io.StreamWriter.write
-def slow_write(self, name, tensor):
+original = parallel_write._pwrite
+def slow_write(*args):
     global writes
-    original(self, name, tensor)
+    original(*args)
     writes += 1
     if writes == 3:
         print("MID-SAVE", flush=True)
         time.sleep(600)                                        # killed here
-safetensors_io.StreamWriter.write = slow_write
+parallel_write._pwrite = slow_write
 tpcompile.save_pretrained(model, out, max_shard_size="40KB")
 """
 

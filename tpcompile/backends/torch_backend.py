@@ -100,6 +100,8 @@ class TorchBackend:
         return select_rows(full, plan.shard_dim, plan.index()[rank])
 
     def make_param(self, local: torch.Tensor, plan: ParamPlan, requires_grad: bool) -> nn.Parameter:
+        if self.tp == 1:  # nothing is split: DTensors would only add dispatch overhead
+            return nn.Parameter(local, requires_grad=requires_grad)
         if plan.shard_dim is None:
             dt = DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
             return nn.Parameter(dt, requires_grad=requires_grad)

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import queue
@@ -31,8 +30,9 @@ from torch import nn
 
 from ..errors import TPError
 from ..translate import TensorMap, TranslationTable
-from .atomic import PARTIAL_RE, atomic_dir
-from .safetensors_io import SliceReader, StreamWriter
+from .atomic import PARTIAL_RE, distributed_atomic_dir
+from .parallel_write import Item, is_writer, write_files
+from .safetensors_io import SliceReader
 from .shards import TPContext, assign_tp_local, lookup, tp_context, tp_local
 
 __all__ = [
@@ -106,7 +106,8 @@ def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_on
             yield key, None
             continue
         hf = hf.cpu() if cpu_offload else hf
-        if copy and hf.data_ptr() == tp_local(tensor).data_ptr():
+        live = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # no collective
+        if copy and hf.data_ptr() == live.data_ptr():
             hf = hf.clone()  # never hand out the live parameter
         yield key, hf
 
@@ -180,9 +181,8 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-# An extra file written with the weights: (file name, safetensors entries, the stream of
-# (key, tensor) every rank iterates, metadata written into tpcompile.json).
-ExtraFile = tuple[str, list[tuple[str, torch.dtype, list[int]]], Iterator[tuple[str, torch.Tensor | None]]]
+# An extra file written with the weights: (file name, [(key, HF layout or None, tensor)]).
+ExtraFile = tuple[str, list[Item]]
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_on_save: bool = True,
@@ -194,8 +194,10 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     ``translate_on_save=True`` (default) writes exactly what ``model.save_pretrained``
     of the untransformed model would: ``from_pretrained`` loads it without tpcompile.
     ``False`` writes tpcompile's full format: the same tensors plus ``tpcompile.json``
-    (plan and translation table), restorable at any ``tp``.  The directory appears
-    atomically: an interrupted save leaves any previous checkpoint untouched.
+    (plan and translation table), restorable at any ``tp``.  No tensor is gathered:
+    every TP rank writes the HF rows it holds straight into the files (a filesystem all
+    ranks see is needed).  The directory appears atomically: an interrupted save leaves
+    any previous checkpoint untouched.
 
     Example:
         >>> tpcompile.save_pretrained(model, "out/final")                # doctest: +SKIP
@@ -204,39 +206,27 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     table = table_of(model)
     keys = table.saved_keys()
     sizes = [nbytes(dtype or _dtype(table.tensors[k].dtype), table.tensors[k].shape) for k in keys]
-    files = split_by_size(keys, sizes, parse_size(max_shard_size))
-    names = file_names(len(files))
+    groups = split_by_size(keys, sizes, parse_size(max_shard_size))
+    names = file_names(len(groups))
+    files = [(name, [(k, table.tensors[k], lookup(model, k)[2]) for k in group])
+             for name, group in zip(names, groups, strict=True)]
+    ctx = tp_context(model)
+    writer = is_writer(model)
     out_dir = Path(out_dir)
-    rank = _rank()
-    error: str | None = None
-    streams = [iter_hf_tensors(model, keys), *(s for _, _, s in extra_files)]
-    items = itertools.chain(*streams)
-    if rank != 0:
-        for _ in items:  # take part in every gather
-            pass
-    else:
-        def write_all(items: Iterator[tuple[str, torch.Tensor | None]]) -> None:
-            with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-                _write_hf_dir(model, table, tmp, files, names, items, dtype)
-                for name, entries, _ in extra_files:
-                    with StreamWriter(tmp / name, entries) as w:
-                        for _ in entries:
-                            w.write(*next(items))
-                if not translate_on_save or extra_meta:
-                    meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict()
-                            if hasattr(model, "tpcompile_plan") else None,
-                            "table": table.to_dict(), **(extra_meta or {})}
-                    (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
-        try:
-            pipelined(write_all, items)
-        except Exception as err:  # noqa: BLE001 - broadcast to all ranks below
-            error = f"{type(err).__name__}: {err}"
-    if dist.is_available() and dist.is_initialized():
-        box: list[object] = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]  # type: ignore[assignment]
-    if error:
-        raise TPError(f"save_pretrained to {out_dir} failed on rank 0: {error}")
+    with distributed_atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        total = write_files(tmp, files, ctx, writer, dtype)
+        write_files(tmp, list(extra_files), ctx, writer)
+        if _rank() == 0:
+            write_configs(model, tmp, dtype)
+            if len(files) > 1:
+                weight_map = {k: name for name, items in files for k, _, _ in items}
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            if not translate_on_save or extra_meta:
+                meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict()
+                        if hasattr(model, "tpcompile_plan") else None,
+                        "table": table.to_dict(), **(extra_meta or {})}
+                (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
     return out_dir
 
 
@@ -281,26 +271,6 @@ def write_configs(model: nn.Module, out: Path, dtype: torch.dtype | None = None)
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(model, "can_generate", lambda: False)():
         gen.save_pretrained(out)
-
-
-def _write_hf_dir(model: nn.Module, table: TranslationTable, tmp: Path, files: list[list[str]],
-                  names: list[str], stream: Iterator[tuple[str, torch.Tensor | None]],
-                  dtype: torch.dtype | None) -> None:
-    write_configs(model, tmp, dtype)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for keys, name in zip(files, names, strict=True):
-        entries = [(k, dtype or _dtype(table.tensors[k].dtype), table.tensors[k].shape) for k in keys]
-        with StreamWriter(tmp / name, entries) as w:
-            for k in keys:
-                key, hf = next(stream)
-                assert key == k and hf is not None
-                w.write(key, hf.to(dtype) if dtype is not None else hf)
-                weight_map[key] = name
-            total += w.bytes_written
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 # ---- loading ------------------------------------------------------------------------

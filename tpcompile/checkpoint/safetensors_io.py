@@ -28,7 +28,7 @@ import torch
 
 from ..errors import TPError
 
-__all__ = ["DTYPES", "SliceReader", "StreamWriter", "dtype_name", "read_header"]
+__all__ = ["DTYPES", "SliceReader", "StreamWriter", "dtype_name", "file_layout", "read_header"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -159,6 +159,24 @@ def _from_bytes(buf: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.T
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
+def file_layout(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The bytes before the data (length + JSON header, padded to 8) and each tensor's
+    ``[begin, end)`` byte range in the file: everything a writer needs before any data."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    ranges: dict[str, tuple[int, int]] = {}
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        ranges[name] = (offset, offset + nbytes)
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the format asks
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return prefix, {k: (a + len(prefix), b + len(prefix)) for k, (a, b) in ranges.items()}
+
+
 class StreamWriter:
     """Write a safetensors file whose tensors arrive one at a time, in header order.
 
@@ -170,19 +188,11 @@ class StreamWriter:
     def __init__(self, path: str | Path, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
                  metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        offset = 0
-        self._order: list[tuple[str, torch.dtype, list[int], int]] = []
-        for name, dtype, shape in entries:
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": dtype_name(dtype), "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self._order.append((name, dtype, list(shape), nbytes))
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the format asks
+        prefix, offsets = file_layout(entries, metadata)
+        self._order = [(name, dtype, list(shape), offsets[name][1] - offsets[name][0])
+                       for name, dtype, shape in entries]
         self._f = open(self.path, "wb")  # noqa: SIM115 - closed by close()/__exit__
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.write(prefix)
         self._next = 0
         self.bytes_written = 0
 

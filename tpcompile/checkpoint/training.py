@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,23 +425,9 @@ def _load_local(path: Path, meta: dict[str, Any], model: nn.Module,
 def _save_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                extra: dict | None, overwrite: bool) -> None:
     table = hf.table_of(model)
-    ctx = tp_context(model)
     osd, entries = _optim_entries(model, optimizer, table)
-    rank, _ = _world()
-
-    def stream() -> Iterator[tuple[str, torch.Tensor | None]]:
-        for fqn, name, t in entries:
-            value = osd["state"][fqn][name]
-            full = hf.hf_tensor(t, value, ctx, dst=0) if t is not None else tp_local(value)
-            yield f"{fqn}/{name}", full.cpu() if full is not None and rank == 0 else None
-
-    optim_entries = []
-    for fqn, name, t in entries:
-        value = osd["state"][fqn][name]
-        shape = t.shape if t is not None else list(value.shape)
-        optim_entries.append((f"{fqn}/{name}", value.dtype, shape))
-    extra_files = [(OPTIM_FILE, optim_entries, stream())] if entries else []
-    hf.save_pretrained(model, path, overwrite=overwrite, extra_files=extra_files,
+    items = [(f"{fqn}/{name}", t, osd["state"][fqn][name]) for fqn, name, t in entries]
+    hf.save_pretrained(model, path, overwrite=overwrite, extra_files=[(OPTIM_FILE, items)] if items else [],
                        extra_meta=_meta("tpcompile-full", model, table, osd, entries, extra))
 
 
