@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         handle.wait()  # re-raises a failed write; the process must not exit mid-write
         log(f"checkpoint {handle.path} complete")
 
-    # 6. a plain HF directory, gathered one tensor at a time through rank 0
+    # 6. a plain HF directory; every rank writes the rows it holds
     probe = global_batch(0, 2, min(args.seq, 16), vocab, args.seed).to(device)
     model.eval()
     with torch.no_grad():
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"saved the trained model to {out_dir}; load it with plain transformers:\n"
         f"    from transformers import AutoModelForCausalLM\n"
         f"    model = AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
+    dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
     dist.destroy_process_group()
 
 

@@ -4,8 +4,8 @@
   dtypes, values), gathered tensor by tensor onto rank 0;
 * :func:`save_pretrained` — an HF directory (safetensors shards + index + config +
   generation config) that ``transformers.AutoModel*.from_pretrained`` loads without
-  tpcompile; rank 0's extra memory is one tensor, because the safetensors header is
-  written from the translation table before any data is gathered;
+  tpcompile; nothing is gathered: rank 0 writes each header (known from the translation
+  table before any data exists) and every TP rank writes the HF rows it owns;
 * :func:`load_hf_weights` — each rank reads only its own rows of each tensor from an
   HF directory (``pread``, no memory map), so a checkpoint loads at any ``tp`` without
   any rank holding the model;

@@ -8,7 +8,7 @@
 * ``local``: every rank writes exactly the tensors it holds, with no data collectives;
   fastest, and reloadable only at the same layout (checked, with both layouts named).
 * ``full``: an HF directory (``from_pretrained`` loads it) plus the optimizer state in
-  HF layout, written by rank 0 one tensor at a time and read back shard-on-read.
+  HF layout, every rank writing the rows it owns, read back shard-on-read.
 
 ``save(..., async_=True)`` stages on the calling thread (everything that needs the
 training process group or the live tensors) and writes on a background thread over its
@@ -492,7 +492,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     final = root / f"step-{step:08d}" if step is not None else root
     if kind == "full":
         if async_:
-            raise TPError("async saves are for kind='sharded' or 'local'; a full save streams through rank 0")
+            raise TPError("async saves are for kind='sharded' or 'local'; a full save writes from the live parameters")
         _save_full(final, model, optimizer, extra, overwrite)
         if step is not None and _world()[0] == 0:
             _publish_latest(root, final.name)
