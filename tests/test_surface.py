@@ -31,7 +31,7 @@ def test_rules_ship_inside_the_package() -> None:
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff not installed")
 def test_ruff_clean() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "tpcompile", "rules", "tests"],
+        [sys.executable, "-m", "ruff", "check", "tpcompile", "rules", "tests", "examples", "benchmarks"],
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
