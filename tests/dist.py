@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed"]
+__all__ = ["free_port", "global_step", "kill_at_marker", "run_distributed"]
 
 _TESTS_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _TESTS_DIR.parent
@@ -184,3 +184,50 @@ def run_distributed(
         _stop(procs)
         results.close()
         results.join_thread()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for subprocess jobs)."""
+    return _free_port()
+
+
+def kill_at_marker(args: list[str], marker: str = "MID-SAVE") -> None:
+    """Run ``python args...`` and SIGKILL it the moment it prints ``marker``.
+
+    The child's stderr is shown if it exits before printing the marker.
+    """
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = ""
+        while marker not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+
+
+def global_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """One optimizer step on this rank's data-parallel slice of the global batch ``ids``;
+    returns the global loss (token means, so the mean over dp ranks is the global mean).
+
+    A model without ``tpcompile_parallel`` (not parallelized) trains on the whole batch.
+    """
+    from tpcompile.fsdp import data_parallel_rank
+
+    distributed = dist.is_initialized() and hasattr(model, "tpcompile_parallel")
+    rank, size = data_parallel_rank(model) if distributed else (0, 1)
+    local = ids.chunk(size)[rank]
+    loss = model(local, labels=local).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if not distributed:
+        return loss.item()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)  # TP ranks agree; the mean over dp ranks is the global loss
+    return mean.item() / dist.get_world_size()

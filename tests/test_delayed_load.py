@@ -27,12 +27,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist import run_distributed
+from dist import global_step, run_distributed
 from torch.distributed.tensor import DTensor
 
 import tpcompile
 import tpcompile.checkpoint as ckpt
-from tpcompile.fsdp import data_parallel_rank
 from tpcompile.presets import tiny_config
 
 REL = 1e-5
@@ -68,21 +67,8 @@ def _batches() -> list[torch.Tensor]:
 
 def _train(model: torch.nn.Module) -> list[float]:
     """Two AdamW steps; each dp rank takes its slice of the global batch. Global losses."""
-    distributed = hasattr(model, "tpcompile_parallel")
-    rank, size = data_parallel_rank(model) if distributed else (0, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for ids in _batches():
-        local = ids.chunk(size)[rank]
-        loss = model(local, labels=local).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if distributed:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)  # TP ranks agree; the mean over dp ranks is the global loss
-            loss /= dist.get_world_size()
-        losses.append(loss.item())
+    losses = [global_step(model, opt, ids) for ids in _batches()]
     model.tpcompile_test_optimizer = opt
     return losses
 

@@ -13,13 +13,11 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist import run_distributed
+from dist import global_step, run_distributed
 from torch.distributed.tensor import DTensor
 
 import tpcompile
 from tpcompile.errors import TPError
-from tpcompile.fsdp import data_parallel_rank
 from tpcompile.presets import tiny_config
 
 STEPS = 10
@@ -58,18 +56,7 @@ def _reference() -> tuple[float, ...]:
 
 def _train(model: torch.nn.Module) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rank, size = data_parallel_rank(model)
-    losses = []
-    for ids in _batches():
-        local = ids.chunk(size)[rank]
-        loss = model(local, labels=local).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # TP ranks agree; the mean over dp ranks is the global loss
-        losses.append(mean.item() / dist.get_world_size())
-    return losses
+    return [global_step(model, opt, ids) for ids in _batches()]
 
 
 def _case(rank: int, kwargs: dict) -> dict:

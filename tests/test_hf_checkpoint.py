@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import free_port, kill_at_marker, run_distributed
 
 import tpcompile
 from tpcompile.presets import tiny_config
@@ -245,30 +244,13 @@ tpcompile.save_pretrained(model, out, max_shard_size="40KB")
 
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
-    import signal
-    import socket
-    import subprocess
-    import sys
 
     from transformers import AutoModelForCausalLM
 
     from tpcompile.checkpoint.hf import load_hf_weights
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "ckpt"
-    tests_dir = str(Path(__file__).parent)
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(out), tests_dir, str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        while "MID-SAVE" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
+    kill_at_marker(["-c", _KILLED_SAVE, str(out), str(Path(__file__).parent), str(free_port())])
     # the previous checkpoint is intact and loads with plain transformers
     got = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert not _state_dict_diffs(got, _build("llama").state_dict())

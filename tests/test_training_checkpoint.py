@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist import run_distributed
+from dist import free_port, global_step, kill_at_marker, run_distributed
 
 import tpcompile
 import tpcompile.checkpoint as ckpt
-from tpcompile.fsdp import data_parallel_rank
 from tpcompile.presets import tiny_config
 
 REL = 1e-5
@@ -41,27 +34,11 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (4, 9), generator=g) for _ in range(3)]
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-    """One AdamW step on this rank's slice of the global batch; returns the global loss."""
-    distributed = dist.is_initialized() and hasattr(model, "tpcompile_parallel")
-    rank, size = data_parallel_rank(model) if distributed else (0, 1)
-    local = ids.chunk(size)[rank]
-    loss = model(local, labels=local).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    if not distributed:
-        return loss.item()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    return mean.item() / dist.get_world_size()
-
-
 @functools.cache
 def _uninterrupted() -> tuple[float, ...]:
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    return tuple(_step(model, opt, ids) for ids in _batches())
+    return tuple(global_step(model, opt, ids) for ids in _batches())
 
 
 def _resumed(root: Path, name: str, **layout: int) -> float:
@@ -71,7 +48,7 @@ def _resumed(root: Path, name: str, **layout: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     extra = ckpt.load(root / name, model, opt)
     assert extra == {"step": 2}, extra
-    return _step(model, opt, _batches()[2])
+    return global_step(model, opt, _batches()[2])
 
 
 def _world4(rank: int, world: int, root: str) -> dict:
@@ -80,12 +57,12 @@ def _world4(rank: int, world: int, root: str) -> dict:
     tpcompile.parallelize(model, dp_shard=2, tp=2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     batches = _batches()
-    out: dict = {"before": [_step(model, opt, b) for b in batches[:2]]}
+    out: dict = {"before": [global_step(model, opt, b) for b in batches[:2]]}
     for kind in ("sharded", "local", "full"):
         ckpt.save(root / kind, model, opt, kind=kind, extra={"step": 2})
     out["hf"] = tpcompile.hf_state_dict(model)  # what the checkpoints hold
     handle = ckpt.save(root / "async", model, opt, kind="sharded", async_=True, step=2, extra={"step": 2})
-    out["after"] = _step(model, opt, batches[2])  # trains on while the save writes
+    out["after"] = global_step(model, opt, batches[2])  # trains on while the save writes
     handle.wait()
     model = _build()
     tpcompile.parallelize(model, dp_shard=2, tp=2)
@@ -168,19 +145,7 @@ time.sleep(600)
 
 
 def test_killed_async_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_ASYNC, str(tmp_path), str(Path(__file__).parent),
-                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        while "MID-SAVE" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
+    kill_at_marker(["-c", _KILLED_ASYNC, str(tmp_path), str(Path(__file__).parent), str(free_port())])
     assert ckpt.latest(tmp_path) == tmp_path / "step-00000001"
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -33,7 +33,7 @@ from ..translate import TensorMap, TranslationTable
 from .atomic import PARTIAL_RE, distributed_atomic_dir
 from .parallel_write import Item, is_writer, write_files
 from .safetensors_io import SliceReader
-from .shards import TPContext, assign_tp_local, lookup, tp_context, tp_local
+from .shards import TPContext, assign_tp_local, lookup, storage, tp_context, tp_local, world
 
 __all__ = [
     "FULL_FORMAT", "file_names", "hf_state_dict", "iter_hf_tensors", "load_hf_weights", "nbytes",
@@ -58,10 +58,6 @@ def table_of(model: nn.Module, *, plain_ok: bool = False) -> TranslationTable:
         raise TPError("this model was not transformed by tpcompile (no model.tpcompile_table); "
                       "call tpcompile.transform(model, tp) first")
     return table
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def hf_tensor(t: TensorMap, tensor: torch.Tensor, ctx: TPContext, dst: int | None = None) -> torch.Tensor | None:
@@ -93,7 +89,7 @@ def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_on
     keys = table.saved_keys() if keys is None else keys
     # with data parallelism, only the TP group holding global rank 0 needs to gather
     wanted = not rank0_only or 0 in ctx.ranks or ctx.size == 1
-    keep = not rank0_only or _rank() == 0
+    keep = not rank0_only or world()[0] == 0
     for key in keys:
         t = table.tensors[key]
         tensor = lookup(model, key)[2]
@@ -106,8 +102,7 @@ def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_on
             yield key, None
             continue
         hf = hf.cpu() if cpu_offload else hf
-        live = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # no collective
-        if copy and hf.data_ptr() == live.data_ptr():
+        if copy and hf.data_ptr() == storage(tensor).data_ptr():
             hf = hf.clone()  # never hand out the live parameter
         yield key, hf
 
@@ -216,7 +211,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     with distributed_atomic_dir(out_dir, overwrite=overwrite) as tmp:
         total = write_files(tmp, files, ctx, writer, dtype)
         write_files(tmp, list(extra_files), ctx, writer)
-        if _rank() == 0:
+        if world()[0] == 0:
             write_configs(model, tmp, dtype)
             if len(files) > 1:
                 weight_map = {k: name for name, items in files for k, _, _ in items}

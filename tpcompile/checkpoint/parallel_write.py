@@ -24,7 +24,7 @@ from torch import nn
 from ..errors import TPError
 from ..translate import TensorMap
 from .safetensors_io import file_layout
-from .shards import TPContext, tp_local
+from .shards import TPContext, tp_local, world
 
 __all__ = ["Item", "is_writer", "write_files"]
 
@@ -36,7 +36,7 @@ def is_writer(model: nn.Module) -> bool:
     """First of its data-parallel replicas: coordinate 0 on every mesh dim but "tp"."""
     mesh = getattr(model, "tpcompile_mesh", None)
     if mesh is None:
-        return not dist.is_initialized() or dist.get_rank() == 0
+        return world()[0] == 0
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     coords = root.get_coordinate() or []
     names = root.mesh_dim_names or ("tp",) * len(coords)
@@ -90,7 +90,7 @@ def write_files(tmp: Path, files: list[tuple[str, list[Item]]], ctx: TPContext, 
 
     Collective: every rank passes the same files and items in the same order.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, _ = world()
     layouts = {}
     total = 0
     for name, items in files:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import TPError
 from ..translate import TranslationTable
-from .shards import assign_tp_local, lookup, tp_context
+from .shards import assign_tp_local, lookup, tp_context, world
 
 __all__ = ["from_pretrained", "materialize_buffers", "scatter_from_rank0"]
 
@@ -119,9 +119,9 @@ def scatter_from_rank0(model: nn.Module, table: TranslationTable,
     Collective over the default group; one tensor in flight at a time.  Buffers are
     broadcast too, so ranks that built the model entirely on meta get them.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank, size = world()
     ctx = tp_context(model)
-    tp_rank_of = [0] * world
+    tp_rank_of = [0] * size
     dist.all_gather_object(tp_rank_of, ctx.rank)
     if rank == 0 and full is None:
         raise TPError("load_state_dict_from_rank0: rank 0 must hold the real weights")
@@ -135,7 +135,7 @@ def scatter_from_rank0(model: nn.Module, table: TranslationTable,
             if rank == 0:
                 src = full.pop(key)
                 per_tp = [t.to_local(src.detach().cpu(), r) for r in range(table.tp)]
-                parts = [per_tp[tp_rank_of[r]].to(cur.dtype) for r in range(world)]
+                parts = [per_tp[tp_rank_of[r]].to(cur.dtype) for r in range(size)]
                 del src
             dist.scatter(buf, parts, src=0)
         else:

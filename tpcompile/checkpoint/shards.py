@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..errors import TPError
 
 __all__ = [
-    "TPContext", "assign_tp_local", "lookup", "rank_local", "shard_like", "tp_context", "tp_local",
+    "TPContext", "assign_tp_local", "lookup", "rank_local", "shard_like", "storage", "tp_context",
+    "tp_local", "world",
 ]
 
 
@@ -36,6 +37,18 @@ class TPContext:
         self.ranks: list[int] = (
             dist.get_process_group_ranks(self.group) if self.group is not None else [0]
         )
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def storage(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for ``t`` (its DTensor's local piece); no collective."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def tp_context(model: nn.Module) -> TPContext:
@@ -109,7 +122,7 @@ def assign_tp_local(model: nn.Module, key: str, local: torch.Tensor, aliases: li
     owner, attr, cur = lookup(model, key)
     with torch.no_grad():
         value = rank_local(cur, local)
-        target = cur.to_local() if isinstance(cur, DTensor) else cur
+        target = storage(cur)
         if list(target.shape) != list(value.shape):
             raise TPError(f"{key}: shard of shape {list(value.shape)} does not fit the model's "
                           f"{list(target.shape)}")

@@ -38,7 +38,7 @@ from ..translate import TensorMap, TranslationTable
 from . import hf
 from .atomic import distributed_atomic_dir
 from .safetensors_io import SliceReader, StreamWriter, read_header
-from .shards import assign_tp_local, lookup, shard_like, tp_context, tp_local
+from .shards import assign_tp_local, lookup, shard_like, storage, tp_context, tp_local, world
 
 __all__ = ["KINDS", "SaveHandle", "latest", "load", "save"]
 
@@ -67,12 +67,6 @@ class SaveHandle:
 
 _pending: SaveHandle | None = None
 _ckpt_group: Any = None
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _background_group() -> Any:
@@ -131,7 +125,7 @@ def _meta(kind: str, model: nn.Module, table: TranslationTable, osd: dict[str, A
     meta = {"format": kind, "table": table.to_dict(), "param_groups": _param_groups(osd),
             "optim": [[f, n, t is not None] for f, n, t in entries], "layout": _layout(model),
             "extra": extra or {}}
-    if kind != "tpcompile-full" and _world()[0] == 0:
+    if kind != "tpcompile-full" and world()[0] == 0:
         meta["configs"] = _configs(model)
     return meta
 
@@ -154,13 +148,13 @@ def _configs(model: nn.Module) -> dict[str, str]:
 
 def _layout(model: nn.Module) -> dict[str, Any]:
     mesh: DeviceMesh | None = getattr(model, "tpcompile_mesh", None)
-    _, world = _world()
+    _, size = world()
     if mesh is None:
-        return {"world": world, "mesh": {}}
+        return {"world": size, "mesh": {}}
     names = mesh.mesh_dim_names or ("tp",)
     if mesh.ndim == 1:
-        return {"world": world, "mesh": {"dp": world // mesh.size(), names[0]: mesh.size()}}
-    return {"world": world, "mesh": dict(zip(names, mesh.shape, strict=True))}
+        return {"world": size, "mesh": {"dp": size // mesh.size(), names[0]: mesh.size()}}
+    return {"world": size, "mesh": dict(zip(names, mesh.shape, strict=True))}
 
 
 # ---- sharded (DCP, HF layout) ---------------------------------------------------------
@@ -173,8 +167,8 @@ _mirrors: dict[int, DeviceMesh] = {}
 def _chunk(full: torch.Tensor, group: Any = None) -> torch.Tensor:
     """This rank's row chunk of an HF tensor, as a DTensor over the whole world (``group``:
     the world, or its background twin), copied so training may go on changing the source."""
-    _, world = _world()
-    if world == 1 or full.dim() == 0:
+    _, size = world()
+    if size == 1 or full.dim() == 0:
         return full.detach().clone()
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -299,10 +293,10 @@ def _to_hf_chunks(pieces: list[_Piece], meshes: _Meshes) -> dict[str, Any]:
 def _write_sharded(state: dict[str, Any], meta: dict[str, Any], tmp: Path, group: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    rank, world = _world()
+    rank, size = world()
     if isinstance(state, _Staged):
         state = _to_hf_chunks(state.pieces, state.meshes)
-    dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
+    dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=size == 1)
     if rank == 0:
         _write_meta(tmp, meta)
 
@@ -324,8 +318,8 @@ def _load_sharded(path: Path, meta: dict[str, Any], model: nn.Module,
         cur = osd["state"][fqn][name]
         state[f"optim/{fqn}/{name}"] = _chunk(torch.empty(t.shape, dtype=cur.dtype)) if t is not None \
             else torch.empty((), dtype=cur.dtype)
-    _, world = _world()
-    dcp.load(state, checkpoint_id=path, no_dist=world == 1)
+    _, size = world()
+    dcp.load(state, checkpoint_id=path, no_dist=size == 1)
     for key in table.saved_keys():
         t = table.tensors[key]
         full = _full(state.pop(f"model/{key}"))
@@ -365,10 +359,8 @@ def _local_name(rank: int) -> str:
 
 def _stage_local(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  extra: dict | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from torch.distributed.tensor import DTensor
-
     def mine(v: torch.Tensor) -> torch.Tensor:
-        return (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+        return storage(v).detach().clone()
 
     table = hf.table_of(model, plain_ok=True)
     tensors = {f"model/{k}": mine(lookup(model, k)[2]) for k in table.saved_keys()}
@@ -379,7 +371,7 @@ def _stage_local(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def _write_local(tensors: dict[str, torch.Tensor], meta: dict[str, Any], tmp: Path, group: Any) -> None:
-    rank, _ = _world()
+    rank, _ = world()
     with StreamWriter(tmp / _local_name(rank), [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]) as w:
         for k, v in tensors.items():
             w.write(k, v)
@@ -395,7 +387,7 @@ def _load_local(path: Path, meta: dict[str, Any], model: nn.Module,
         raise TPError(f"{path} is a local checkpoint of layout {meta['layout']}, this job runs "
                       f"{layout}; local checkpoints reload only at the layout that wrote them: "
                       "save with kind='sharded' to change layouts")
-    rank, _ = _world()
+    rank, _ = world()
     f = path / _local_name(rank)
     if not f.exists():
         raise TPError(f"{path}: this rank's shard {f.name} is missing (an interrupted save?)")
@@ -404,16 +396,13 @@ def _load_local(path: Path, meta: dict[str, Any], model: nn.Module,
     with SliceReader(f) as r:
         for key in table.saved_keys():
             _, _, cur = lookup(model, key)
-            target = cur.to_local() if hasattr(cur, "to_local") else cur
             with torch.no_grad():
-                target.copy_(r.read(f"model/{key}"))
+                storage(cur).copy_(r.read(f"model/{key}"))
         if optimizer is not None:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             for fqn, name, _ in entries:
-                cur = osd["state"][fqn][name]
-                target = cur.to_local() if hasattr(cur, "to_local") else cur
-                target.copy_(r.read(f"optim/{fqn}/{name}"))
+                storage(osd["state"][fqn][name]).copy_(r.read(f"optim/{fqn}/{name}"))
             for g, saved in zip(osd["param_groups"], meta["param_groups"], strict=True):
                 g.update(saved)
             set_optimizer_state_dict(model, optimizer, osd)
@@ -494,24 +483,24 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if async_:
             raise TPError("async saves are for kind='sharded' or 'local'; a full save writes from the live parameters")
         _save_full(final, model, optimizer, extra, overwrite)
-        if step is not None and _world()[0] == 0:
+        if step is not None and world()[0] == 0:
             _publish_latest(root, final.name)
         return SaveHandle(final)
     stage, write = (_stage_sharded, _write_sharded) if kind == "sharded" else (_stage_local, _write_local)
     data, meta = stage(model, optimizer, extra)
     if kind == "sharded":  # layout conversion runs where the write runs, on its own groups if async
-        data = _Staged(data, _Meshes(model, mirror=async_ and _world()[1] > 1))
+        data = _Staged(data, _Meshes(model, mirror=async_ and world()[1] > 1))
 
     def job(group: Any) -> None:
         with distributed_atomic_dir(final, overwrite=overwrite, group=group) as tmp:
             write(data, meta, tmp, group)
-        if step is not None and _world()[0] == 0:
+        if step is not None and world()[0] == 0:
             _publish_latest(root, final.name)
 
     if not async_:
         job(None)
         return SaveHandle(final)
-    group = _background_group() if _world()[1] > 1 else None
+    group = _background_group() if world()[1] > 1 else None
     future: Future = Future()
 
     def run() -> None:
