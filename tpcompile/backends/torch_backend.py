@@ -155,7 +155,12 @@ class TorchBackend:
                 saved.setdefault(name, p)
                 # the bias is added once, after the all-reduce (post hook)
                 mod._parameters[name] = torch.zeros_like(_local(p))
-            state["saved"] = saved
+            # FSDP1 (use_orig_params) also sets its unsharded views as plain instance
+            # attributes, which attribute lookup finds before _parameters: swap those too
+            shadowed = {n: mod.__dict__[n] for n in saved if n in mod.__dict__}
+            for n in shadowed:
+                mod.__dict__[n] = mod._parameters[n]
+            state["saved"], state["shadowed"] = saved, shadowed
             if mplan.copy_inputs:
                 args, kwargs = _map_tensors(args, self.copy_in), _map_tensors(kwargs, self.copy_in)
             if vocab_range is not None:
@@ -174,6 +179,7 @@ class TorchBackend:
             saved = state.pop("saved", {})
             for name, p in saved.items():
                 mod._parameters[name] = p
+            mod.__dict__.update(state.pop("shadowed", {}))
             if vocab_range is not None:
                 mask = state.pop("mask")
                 out = out.masked_fill(mask.unsqueeze(-1), 0)
