@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import socket
 import sys
 import time
 from collections import Counter
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from .launch import WorkerFailed, spawn_local
 from .plan import Plan
 
 __all__ = ["run_demo"]
@@ -35,47 +33,18 @@ _DEMO_BATCH = (2, 16)
 _DEMO_NEW_TOKENS = 8
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (the OS chooses it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
     t0 = time.perf_counter()
     try:
-        mp.start_processes(_demo_worker, args=(args.tp, port, args.steps, results),
-                           nprocs=args.tp, join=True, start_method="spawn")
-    except mp.ProcessRaisedException as exc:
-        print(f"demo: a worker failed:\n{exc}", file=sys.stderr)
+        verdicts = spawn_local(_demo_checks, args.tp, args.steps)
+    except WorkerFailed as exc:
+        print(f"demo: {exc}", file=sys.stderr)
         return _EXIT_MISMATCH
-    except mp.ProcessExitedException as exc:
-        print(f"demo: a worker died: {exc}", file=sys.stderr)
-        return _EXIT_MISMATCH
-    verdicts = [results.get() for _ in range(args.tp)]
-    ok = all(v for _, v in verdicts)
+    ok = all(verdicts)
     status = "OK: the TP model matches the single-process reference" if ok else "FAILED"
     print(f"demo: {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return _EXIT_OK if ok else _EXIT_MISMATCH
-
-
-def _demo_worker(rank: int, tp: int, port: int, steps: int, results: Any) -> None:
-    """One spawned rank: join the group, run the checks, report ``(rank, ok)``."""
-    torch.set_num_threads(1)  # tp processes share few cores; avoid oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=tp, timeout=datetime.timedelta(seconds=120))
-    try:
-        results.put((rank, _demo_checks(rank, tp, steps)))
-        dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
-    finally:
-        dist.destroy_process_group()
 
 
 def _say(rank: int, text: str) -> None:
