@@ -212,7 +212,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def test_cli_surface_frozen() -> None:
     subs = _subcommands(build_parser())
-    assert set(subs) == {"dump-plan", "demo", "translate"}
+    assert set(subs) == {"dump-plan", "demo", "translate", "verify"}
     flags = {s for a in subs["dump-plan"]._actions for s in a.option_strings}
     assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table"}
     tr_flags = {s for a in subs["translate"]._actions for s in a.option_strings}
@@ -221,6 +221,10 @@ def test_cli_surface_frozen() -> None:
     assert positionals == ["name"]
     demo_flags = {s for a in subs["demo"]._actions for s in a.option_strings}
     assert demo_flags == {"-h", "--help", "--tp", "--steps"}
+    verify_flags = {s for a in subs["verify"]._actions for s in a.option_strings}
+    assert verify_flags == {"-h", "--help", "--tp", "--tol", "--layers", "--no-generate", "--format",
+                            "--attn", "--inject-fault"}
+    assert [a.dest for a in subs["verify"]._actions if not a.option_strings] == ["model"]
 
 
 def test_demo_subprocess() -> None:
