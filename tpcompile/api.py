@@ -198,5 +198,8 @@ def transform(
         from .checkpoint.pretrained import scatter_from_rank0
 
         scatter_from_rank0(model, table, full)
+    from .integrations import mark_model
+
+    mark_model(model)  # what the HF Trainer / accelerate read to leave its parallelism alone
     return model
 

@@ -193,6 +193,9 @@ def parallelize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed + data_parallel_rank(mesh)[0])
     model.tpcompile_parallel = replace(cfg, seed=used_seed)
+    from .integrations import mark_model
+
+    mark_model(model)  # the data-parallel degrees too, for the HF Trainer / accelerate
     return model
 
 
