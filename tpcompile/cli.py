@@ -126,8 +126,8 @@ def _add_verify(sub: Any) -> None:
                      help="layers of the shrunk model; one of each layer kind is kept anyway (default 2)")
     ver.add_argument("--no-generate", action="store_true", help="skip the greedy generate comparison")
     ver.add_argument("--format", choices=("table", "json"), default="table", help="output format")
-    ver.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa",
-                     help="attention implementation (default sdpa)")
+    ver.add_argument("--attn", choices=("eager", "sdpa"),
+                     help="attention implementation (default: the model's own default)")
     # Test hook (see the README): perturb one module's output on one rank after transform.
     ver.add_argument("--inject-fault", metavar="MODULE", help=argparse.SUPPRESS)
     ver.set_defaults(handler=_cmd_verify)

@@ -168,12 +168,20 @@ def _model_class(config: PreTrainedConfig, task: str | None) -> type[nn.Module]:
 
 
 def build_small_model(config: PreTrainedConfig, *, tp: int, layers: int = 2, task: str | None = None,
-                      attn: str = "sdpa") -> nn.Module:
+                      attn: str | None = None) -> nn.Module:
     """The shrunk model ``verify`` checks: ``shrink_config(config, tp)`` instantiated
-    with the current torch seed, in eval mode (no dropout), float32."""
+    with the current torch seed, in eval mode (no dropout), float32; ``attn`` is the
+    attention implementation (default: the model's own default)."""
     small = shrink_config(config, tp, layers=layers)
     cls = _model_class(small, task)
-    model = cls._from_config(small, attn_implementation=attn, torch_dtype=torch.float32)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    try:
+        model = cls._from_config(small, dtype=torch.float32, **kwargs)
+    except ValueError as exc:
+        if attn and attn in str(exc) or "attention implementation" in str(exc):
+            raise TPError(f"{cls.__name__} does not support attention {attn!r}; "
+                          "use --attn eager or leave --attn out") from None
+        raise
     return model.eval()
 
 
@@ -199,11 +207,16 @@ def _inputs(model: nn.Module, gen: torch.Generator) -> dict[str, torch.Tensor]:
     else:
         raise TPError(f"verify cannot build a {name!r} input for {type(model).__name__} yet")
     batch = {name: main}
-    if "labels" in params and vocab > 2:
-        if getattr(config, "is_encoder_decoder", False):
-            batch["labels"] = torch.randint(0, vocab, (_BATCH, _SEQ // 2), generator=gen)
-        elif name == "input_ids":
-            batch["labels"] = main.clone()
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        # given explicitly: default configs may lack the decoder start token labels need
+        decoder = torch.randint(0, vocab, (_BATCH, _SEQ // 2), generator=gen)
+        start = getattr(config, "decoder_start_token_id", None)
+        decoder[:, 0] = start if isinstance(start, int) else 0
+        batch["decoder_input_ids"] = decoder
+        if "labels" in params:
+            batch["labels"] = torch.randint(0, vocab, decoder.shape, generator=gen)
+    elif "labels" in params and name == "input_ids" and vocab > 2:
+        batch["labels"] = main.clone()
     return batch
 
 
@@ -433,7 +446,7 @@ def _merge(results: list[dict], tp: int, tol: float) -> VerifyReport:
 
 
 def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: float = 1e-5,
-           layers: int = 2, generate: bool = True, attn: str = "sdpa",
+           layers: int = 2, generate: bool = True, attn: str | None = None,
            fault: str | None = None) -> VerifyReport:
     """Check ``transform(tp=tp)`` of a shrunk copy of ``config``'s model on ``tp`` local
     CPU processes against the unsharded copy.
@@ -445,7 +458,7 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
         tol: pass when the absolute or the relative difference is within it.
         layers: layers of the shrunk model (at least one of each kind is kept).
         generate: also compare greedy ``generate`` tokens.
-        attn: ``"eager"`` or ``"sdpa"`` attention.
+        attn: ``"eager"`` or ``"sdpa"`` attention (default: the model's default).
         fault: test hook -- add a constant to this module's output on one rank after
             ``transform`` (the report must then name it).
 

@@ -1,0 +1,153 @@
+"""shrink_config: small models of every family build and run, and keep every relation
+of their sharded sizes to tp (single process, fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, PreTrainedConfig
+
+from tpcompile import presets
+from tpcompile.errors import TPError
+from tpcompile.shrink import count_for_tp, shrink_config, size_for_tp
+from tpcompile.verify import _inputs, build_small_model
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral",
+            "bert", "t5", "vit", "whisper", "mamba", "deepseek_v3", "qwen2_moe", "gpt_oss", "falcon",
+            "bloom", "opt"]
+_MAX_PARAMS = 3_000_000  # "small": a forward on CPU in milliseconds
+
+
+def _family_config(name: str) -> PreTrainedConfig:
+    return AutoConfig.for_model(name)
+
+
+def _run_once(config: PreTrainedConfig, tp: int, task: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_small_model(config, tp=tp, task=task)
+    assert sum(p.numel() for p in model.parameters()) < _MAX_PARAMS
+    batch = _inputs(model, torch.Generator().manual_seed(1))
+    out = model(**batch)
+    floats = [v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert floats and all(torch.isfinite(v).all() for v in floats)
+    return model
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_builds_and_runs(name: str) -> None:
+    real = _family_config(name)
+    model = _run_once(real, 2)
+    assert type(model.config) is type(real)
+
+
+@pytest.mark.parametrize("name", presets.list_presets())
+def test_preset_builds_and_runs(name: str) -> None:
+    preset = presets.get_preset(name)
+    model = _run_once(presets.build_config(preset), 2, task=preset.task)
+    layers = next(getattr(model.config, k) for k in ("num_hidden_layers", "n_layer"))
+    assert layers == 2
+
+
+# ---------------------------------------------------------------------------------
+# The relations
+# ---------------------------------------------------------------------------------
+
+_COUNTS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
+           "decoder_attention_heads", "num_local_experts", "num_experts", "n_routed_experts")
+_WIDTHS = ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+           "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size",
+           "q_lora_rank", "kv_lora_rank")
+_KV = ("num_key_value_heads", "num_kv_heads")
+
+
+def _raw(config: PreTrainedConfig) -> dict:
+    return config.to_dict()
+
+
+def _check_relations(real: PreTrainedConfig, small: PreTrainedConfig, tp: int) -> None:
+    r, s = _raw(real), _raw(small)
+    for key in _COUNTS:
+        if isinstance(r.get(key), int):
+            assert s[key] % tp == r[key] % tp, (key, r[key], s[key], tp)
+            assert (s[key] >= tp) == (r[key] >= tp), (key, r[key], s[key], tp)
+            assert s[key] <= max(r[key], 1)
+    for key in _WIDTHS:
+        if isinstance(r.get(key), int):
+            assert s[key] % tp == r[key] % tp, (key, r[key], s[key], tp)
+    heads = next((k for k in _COUNTS[:5] if isinstance(r.get(k), int)), None)
+    for key in _KV:
+        if isinstance(r.get(key), int) and heads:
+            kv, kv_s = r[key], s[key]
+            if kv == r[heads]:
+                assert kv_s == s[heads]  # MHA stays MHA
+            elif kv < tp:
+                assert kv_s == kv  # the same replication factor tp / kv
+            else:
+                assert kv_s % tp == kv % tp and kv_s >= tp
+            assert s[heads] % kv_s == 0  # whole query groups
+    experts = next((s[k] for k in _COUNTS[5:] if isinstance(s.get(k), int)), None)
+    if experts is not None and isinstance(s.get("num_experts_per_tok"), int):
+        assert 1 <= s["num_experts_per_tok"] <= experts
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_divisibility_relations_hold(tp: int) -> None:
+    for name in FAMILIES:
+        real = _family_config(name)
+        _check_relations(real, shrink_config(real, tp), tp)
+    for name in presets.list_presets():
+        real = presets.build_config(name)
+        _check_relations(real, shrink_config(real, tp), tp)
+
+
+@pytest.mark.parametrize("kv, heads, tp, want_kv", [(1, 32, 8, 1), (4, 32, 8, 4), (8, 32, 8, 8),
+                                                    (8, 64, 2, 2), (2, 16, 4, 2), (3, 24, 2, 3)])
+def test_kv_heads(kv: int, heads: int, tp: int, want_kv: int) -> None:
+    real = AutoConfig.for_model("llama", num_attention_heads=heads, num_key_value_heads=kv,
+                                hidden_size=heads * 128)
+    small = shrink_config(real, tp)
+    assert small.num_key_value_heads == want_kv
+    _check_relations(real, small, tp)
+    assert small.num_attention_heads // small.num_key_value_heads >= min(heads // kv, 2)
+
+
+def test_non_divisible_counts_stay_non_divisible() -> None:
+    falcon = AutoConfig.for_model("falcon", num_attention_heads=71, hidden_size=4544)
+    small = shrink_config(falcon, 2)
+    assert small.num_attention_heads % 2 == 1 and small.hidden_size == small.num_attention_heads * 16
+    gpt2 = shrink_config(AutoConfig.for_model("gpt2"), 2)
+    assert gpt2.vocab_size % 2 == 1 and gpt2.eos_token_id < gpt2.vocab_size  # folded id
+    qwen_moe = shrink_config(AutoConfig.for_model("qwen2_moe"), 8)  # 60 experts over 8
+    assert qwen_moe.num_experts == 12
+
+
+def test_one_layer_of_each_kind() -> None:
+    gemma = shrink_config(AutoConfig.for_model("gemma2"), 2)
+    assert sorted(gemma.layer_types) == ["full_attention", "sliding_attention"]
+    assert gemma.sliding_window == 8
+    deepseek = shrink_config(AutoConfig.for_model("deepseek_v3"), 2)
+    assert deepseek.num_hidden_layers == 2 and deepseek.first_k_dense_replace == 1  # dense, then MoE
+    assert deepseek.qk_head_dim == deepseek.qk_nope_head_dim + deepseek.qk_rope_head_dim
+    # Jamba: attention every 8th layer from 4, experts every 2nd from 1
+    jamba = shrink_config(AutoConfig.for_model("jamba"), 2)
+    kinds = {(t, jamba.layers_num_experts[i] > 1) for i, t in enumerate(jamba.layers_block_type)}
+    assert {("mamba", False), ("mamba", True), ("attention", False)} <= kinds
+    # Zamba2: an explicit per-layer list and an index list stay consistent
+    zamba = shrink_config(AutoConfig.for_model("zamba2"), 2)
+    assert len(zamba.layers_block_type) == zamba.num_hidden_layers
+    assert [i for i, t in enumerate(zamba.layers_block_type) if t == "hybrid"] == zamba.hybrid_layer_ids
+    qwen2 = shrink_config(presets.build_config("qwen2", layer_types=None), 2, layers=3)
+    assert qwen2.num_hidden_layers == 3
+
+
+def test_sub_configs_are_shrunk() -> None:
+    llava = shrink_config(AutoConfig.for_model("llava"), 2)
+    assert llava.text_config.num_hidden_layers == 2 and llava.text_config.hidden_size <= 128
+    assert llava.vision_config.num_hidden_layers == 2 and llava.vision_config.image_size <= 64
+
+
+def test_count_and_size_helpers() -> None:
+    assert count_for_tp(3, 8, 4) == 3 and count_for_tp(12, 8, 4) == 12 and count_for_tp(71, 2, 4) == 5
+    assert size_for_tp(128256, 8, 256) == 256 and size_for_tp(50257, 4, 256) % 4 == 1
+    with pytest.raises(TPError, match="tp must be a positive integer"):
+        shrink_config(AutoConfig.for_model("llama"), 0)
