@@ -154,6 +154,11 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
+    if getattr(backend, "tp", 1) > 1:
+        # state_dict()/load_state_dict() speak HF tensors, whatever the local layout
+        from .state_dict import install_state_dict_hooks
+
+        install_state_dict_hooks(model, plan.params, backend.mesh)
     if hasattr(backend, "reset"):  # an input shared by column modules never spans two passes
         model.register_forward_pre_hook(lambda *_: backend.reset())
         model.register_forward_hook(lambda *_: backend.reset())
