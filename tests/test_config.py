@@ -172,7 +172,9 @@ def test_hybrid_shards_within_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"context_parallel_degree": 4}, {}, "context parallelism is not implemented"),
     ({"parallelism_config": {"parallelism_config_cp_size": 2}}, {}, "context parallelism"),
     ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, {}, "SIZE_BASED_WRAP are not supported"),
-    ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, {}, "no LOCAL_STATE_DICT"),
+    ({"fsdp_state_dict_type": "NO_STATE_DICT"}, {}, r"expected one of \['FULL_STATE_DICT', 'LOCAL"),
+    ({"fsdp_backward_prefetch_policy": "SOMETIMES"}, {}, "BACKWARD_PRE"),
+    ({"tensor_parallel_seed": "zero"}, {}, "tensor_parallel_seed.*expected an integer"),
     ({"fsdp_sharding_strategy": 7}, {}, "unknown sharding strategy 7"),
     ({"fsdp_backward_prefetch": "SOMETIMES"}, {}, "BACKWARD_PRE"),
     ({"distributed_type": "DEEPSPEED"}, {}, "use distributed_type: FSDP"),
@@ -210,3 +212,116 @@ def test_parallel_config_is_frozen_and_validated() -> None:
         ParallelConfig(tp=0)
     with pytest.raises(TPError, match="mesh is not resolved"):
         _ = cfg.mesh_shape
+
+
+# ---- the four configs as accelerate's and SMP v2's documentation publish them -------
+
+# accelerate's FSDP guide, `accelerate config` output for FSDP1 (BERT), verbatim
+ACCELERATE_DOCS_FSDP1 = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch_policy: BACKWARD_PRE
+  fsdp_forward_prefetch: false
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+# accelerate's FSDP2 example config (fsdp_version: 2, reshard as a bool)
+ACCELERATE_DOCS_FSDP2 = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+# SMP v2's tensor-parallelism page: the HyperPod / flat JSON
+SMP_DOCS_TP = {"tensor_parallel_degree": 8, "tensor_parallel_seed": 0}
+
+# SMP v2's SageMaker Python SDK form: distribution= of a PyTorch estimator
+SMP_DOCS_SDK = {
+    "torch_distributed": {"enabled": True},
+    "smdistributed": {"modelparallel": {"enabled": True, "parameters": {
+        "hybrid_shard_degree": 16,
+        "sm_activation_offloading": True,
+        "activation_loading_horizon": 4,
+        "fsdp_cache_flush_warnings": False,
+        "allow_empty_shards": True,
+        "tensor_parallel_degree": 8,
+        "tensor_parallel_seed": 0,
+        "expert_parallel_degree": 1,
+        "context_parallel_degree": 1,
+        "random_seed": 12345,
+    }}},
+}
+
+
+def test_published_configs_resolve_to_their_layouts(tmp_path: Path) -> None:
+    path = tmp_path / "fsdp1.yaml"
+    path.write_text(ACCELERATE_DOCS_FSDP1)
+    cfg = resolve_config(str(path), world_size=2)
+    assert cfg == resolve_config(dp_shard=2, mixed_precision="bf16", checkpoint="sharded", load_from_rank0=True,
+                                 wrap_classes=("BertLayer",), num_processes=2, world_size=2)
+    assert cfg.mesh_shape == (1, 2, 1) and cfg.sharding_strategy is Sharding.FULL_SHARD
+    assert {"fsdp_backward_prefetch_policy", "fsdp_use_orig_params", "fsdp_forward_prefetch"} <= set(cfg.no_effect)
+
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(ACCELERATE_DOCS_FSDP2)
+    cfg = resolve_config(str(path), world_size=8)
+    assert cfg.mesh_shape == (1, 8, 1) and cfg.sharding_strategy is Sharding.FULL_SHARD
+    assert cfg.load_from_rank0 and cfg.checkpoint is CheckpointKind.SHARDED and not cfg.activation_checkpointing
+
+    cfg = resolve_config(SMP_DOCS_TP, world_size=16)
+    assert cfg.mesh_shape == (1, 2, 8) and cfg.source == "smp" and cfg.no_effect == ("tensor_parallel_seed",)
+
+    cfg = resolve_config(SMP_DOCS_SDK, world_size=256)  # 32 nodes x 8 GPUs
+    assert cfg.mesh_shape == (2, 16, 8) and cfg.sharding_strategy is Sharding.HYBRID_SHARD
+    assert (cfg.activation_offloading, cfg.loading_horizon, cfg.seed) == (True, 4, 12345)
+    flat = SMP_DOCS_SDK["smdistributed"]["modelparallel"]["parameters"]
+    assert resolve_config(flat, world_size=256) == cfg
+
+
+def test_accelerate_old_and_new_prefetch_spellings() -> None:
+    old = resolve_config({"fsdp_backward_prefetch_policy": "BACKWARD_POST"})
+    new = resolve_config({"fsdp_backward_prefetch": "BACKWARD_POST"})
+    assert old == new and old.no_effect == ("fsdp_backward_prefetch_policy",)
+    assert resolve_config({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}).checkpoint is CheckpointKind.LOCAL

@@ -84,6 +84,7 @@ class CheckpointKind(str, enum.Enum):
 
     FULL = "full"  # one HF-layout state dict (FULL_STATE_DICT)
     SHARDED = "sharded"  # per-rank DTensor shards via torch.distributed.checkpoint
+    LOCAL = "local"  # each rank's own tensors, same layout only (LOCAL_STATE_DICT)
 
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -296,10 +297,13 @@ def _hybrid_shard_degree(v: Any) -> dict[str, Any]:
 
 
 def _state_dict_type(v: Any) -> dict[str, Any]:
-    kinds = {"FULL_STATE_DICT": CheckpointKind.FULL, "SHARDED_STATE_DICT": CheckpointKind.SHARDED}
+    # LOCAL_STATE_DICT: FSDP1 saves its flat-parameter shards; tpcompile's "local" kind saves
+    # each rank's own tensors; both reload only at the layout that wrote them
+    kinds = {"FULL_STATE_DICT": CheckpointKind.FULL, "SHARDED_STATE_DICT": CheckpointKind.SHARDED,
+             "LOCAL_STATE_DICT": CheckpointKind.LOCAL}
     key = str(v).strip().upper()
     if key not in kinds:
-        raise TPError(f"expected one of {sorted(kinds)} (FSDP2 has no LOCAL_STATE_DICT), got {v!r}")
+        raise TPError(f"expected one of {sorted(kinds)}, got {v!r}")
     return {"checkpoint": kinds[key]}
 
 
@@ -352,6 +356,10 @@ SMP_KEYS: dict[str, Rule] = {
     "sm_activation_offloading": _to("activation_offloading", _bool),
     "activation_loading_horizon": _to("loading_horizon", _int),
     "random_seed": _to("seed", _int),
+    "tensor_parallel_seed": NoEffect("SMP seeds dropout inside TP regions per TP rank from it; "
+                                     "tpcompile keeps one RNG stream per TP group (random_seed), so "
+                                     "dropout on sharded activations draws the same pattern on each "
+                                     "TP rank: exact without active dropout", _int),
     "expert_parallel_degree": Only(1, "expert parallelism is not implemented; tpcompile shards "
                                       "each expert over tp instead"),
     "context_parallel_degree": Only(1, "context parallelism is not implemented"),
@@ -393,6 +401,9 @@ ACCELERATE_KEYS: dict[str, Rule] = {
                                      "each, no FlatParameter)", _bool),
     "fsdp_backward_prefetch": NoEffect("FSDP2 prefetches the next block's all-gather in backward "
                                        "by itself (BACKWARD_PRE behaviour)", _prefetch),
+    "fsdp_backward_prefetch_policy": NoEffect("the older spelling of fsdp_backward_prefetch that "
+                                              "accelerate still reads; FSDP2 prefetches by itself "
+                                              "(BACKWARD_PRE behaviour)", _prefetch),
     "fsdp_forward_prefetch": NoEffect("FSDP2 overlaps the next all-gather with forward compute by "
                                       "itself", _bool),
     "fsdp_min_num_params": NoEffect("only read by SIZE_BASED_WRAP; tpcompile wraps the blocks "
@@ -442,7 +453,9 @@ def _unwrap_smp(d: dict[str, Any]) -> dict[str, Any]:
     mp = d["smdistributed"].get("modelparallel", {}) if isinstance(d["smdistributed"], Mapping) else {}
     if not mp.get("enabled", True):
         raise TPError("smdistributed.modelparallel.enabled is false: this config turns SMP off")
-    rest = sorted(set(d) - {"smdistributed"}) + sorted(set(mp) - {"enabled", "parameters"})
+    # the SDK's distribution= also names the launcher (torch_distributed), which SMP v2 requires
+    # and tpcompile does not read
+    rest = sorted(set(d) - {"smdistributed", "torch_distributed"}) + sorted(set(mp) - {"enabled", "parameters"})
     if rest:
         raise TPError(f"unexpected keys {rest} beside smdistributed.modelparallel.parameters")
     return dict(mp.get("parameters", {}))
