@@ -170,9 +170,10 @@ def _set_accelerate_mesh(model: nn.Module) -> None:
     state = AcceleratorState()
     mesh = data_mesh(model)
     existing = getattr(state, "device_mesh", None)
-    if existing is not None and existing is not mesh:
+    if existing is not None and not getattr(existing, "_tpcompile_data_mesh", False):
         raise TPError("accelerate already has a device mesh (a ParallelismConfig); a tpcompile model brings "
                       "its own parallelism: drop parallelism_config / the accelerate parallelism settings")
+    mesh._tpcompile_data_mesh = True  # ours: a later Trainer / model in this process may replace it
     state.device_mesh = mesh  # prepare_data_loader: process index // tp, dp processes
 
 

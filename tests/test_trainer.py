@@ -1,0 +1,145 @@
+"""transformers.Trainer trains, checkpoints and resumes a tpcompile model (real gloo ranks).
+
+A tiny Llama trains 3 AdamW steps (linear LR decay, grad clipping) under the Trainer at
+tp=2 (world 2, ``transform``) and dp_shard 2 x tp 2 (world 4, ``parallelize``); each
+step's loss and gradient norm must equal a single-process Trainer on the same global
+batches. The run checkpoints at step 2; a fresh model resumed from it must log the same
+step-3 loss, and the final ``save_model`` directory must load with plain transformers
+equal to the trained weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_distributed
+
+REL = 1e-4
+STEPS = 3
+GLOBAL_BATCH = 4
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """16 fixed random sequences; the Trainer's seeded sampler shuffles them."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 256, (16, 9), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _model() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tpcompile.presets import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama"))
+
+
+def _trainer(model: torch.nn.Module, out: str, batch: int, callbacks: list) -> object:
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=batch, max_steps=STEPS, learning_rate=1e-2,
+        lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=2,
+        save_only_model=True, report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    return Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+
+
+def _logged(trainer: object, since: int = 0) -> list[tuple[float, float]]:
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and h["step"] > since]
+
+
+@functools.cache
+def _single_process() -> tuple[tuple[float, float], ...]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(_model(), out, GLOBAL_BATCH, [])
+        trainer.train()
+        return tuple(_logged(trainer))
+
+
+def _parallel(model: torch.nn.Module, layout: str) -> torch.nn.Module:
+    import tpcompile
+
+    if layout == "tp":
+        return tpcompile.transform(model, tp=2)
+    return tpcompile.parallelize(model, tp=2, dp_shard=2)
+
+
+def _child(rank: int, world: int, layout: str, out: str) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import tpcompile
+    from tpcompile.integrations import TPTrainerCallback
+
+    # what torchrun exports: the Trainer and accelerate read these to run distributed
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    batch = GLOBAL_BATCH // (world // 2)
+    result: dict = {}
+    model = _parallel(_model(), layout)
+    if layout == "tp":  # without the callback the TP ranks get different batches: refused
+        try:  # (before any parameter changes: the guard runs ahead of the first forward)
+            _trainer(model, f"{out}/no-callback", batch, []).train()
+        except tpcompile.TPError as err:
+            result["guard"] = str(err)
+
+    trainer = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()])
+    trainer.train()
+    result["losses"] = _logged(trainer)
+    result["wrapped"] = isinstance(trainer.model_wrapped, DistributedDataParallel) or trainer.model_wrapped is not model
+    trainer.save_model(f"{out}/final")
+    trained = tpcompile.hf_state_dict(model)  # collective; rank 0 gets the full tensors
+    dist.barrier()
+    if rank == 0:
+        plain = AutoModelForCausalLM.from_pretrained(f"{out}/final").state_dict()
+        result["final_keys"] = sorted(plain) == sorted(trained)
+        result["final_diff"] = max((plain[k] - trained[k]).abs().max().item() for k in trained)
+
+    # the trained model itself: resuming must overwrite its weights and optimizer with step 2's
+    resumed = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()])
+    resumed.train(resume_from_checkpoint=f"{out}/run/checkpoint-2")
+    result["resumed"] = _logged(resumed, since=2)
+    return result
+
+
+def _check(results: list[dict], world: int) -> None:
+    reference = _single_process()
+    assert len(reference) == STEPS
+    for rank, res in enumerate(results):
+        assert len(res["losses"]) == STEPS, res["losses"]
+        for (loss, norm), (ref_loss, ref_norm) in zip(res["losses"], reference, strict=True):
+            assert loss == pytest.approx(ref_loss, rel=REL), (rank, res["losses"], reference)
+            assert norm == pytest.approx(ref_norm, rel=REL), (rank, res["losses"], reference)
+        assert not res["wrapped"], "the Trainer wrapped the model (DDP) although it distributes itself"
+        # resumed from checkpoint-2: step 3 as in the uninterrupted run (optimizer + LR restored)
+        assert len(res["resumed"]) == 1 and res["resumed"][0][0] == pytest.approx(reference[2][0], rel=REL), \
+            (rank, res["resumed"], reference)
+    assert results[0]["final_keys"]
+    assert results[0]["final_diff"] == 0.0, results[0]["final_diff"]
+
+
+@pytest.mark.slow
+def test_trainer_tp2_world2(tmp_path: Path) -> None:
+    results = run_distributed(_child, 2, "tp", str(tmp_path))
+    _check(results, 2)
+    assert all("TPTrainerCallback" in r["guard"] for r in results), [r.get("guard") for r in results]
+
+
+@pytest.mark.slow
+def test_trainer_dp2_tp2_world4(tmp_path: Path) -> None:
+    _check(run_distributed(_child, 4, "fsdp", str(tmp_path)), 4)
