@@ -19,6 +19,7 @@ from __future__ import annotations
 from tpcompile.analysis.propagate import Rule
 
 from .contract import CONTRACT_RULES
+from .memory import MEMORY_RULES
 from .pointwise import POINTWISE_RULES
 from .reduce import REDUCE_RULES
 from .shape import SHAPE_RULES
@@ -28,7 +29,7 @@ __all__ = ["default_rules"]
 
 def default_rules() -> list[Rule]:
     """Every built-in rule, in registration order."""
-    return [*SHAPE_RULES, *POINTWISE_RULES, *REDUCE_RULES, *CONTRACT_RULES, *_custom_op_rules()]
+    return [*SHAPE_RULES, *POINTWISE_RULES, *MEMORY_RULES, *REDUCE_RULES, *CONTRACT_RULES, *_custom_op_rules()]
 
 
 def _custom_op_rules() -> list[Rule]:

@@ -45,8 +45,11 @@ def linear_like(
     w_in: int,
     w_out: int,
     bias: object = None,
+    *,
+    feature_dim: int = -1,
 ) -> object:
-    """``x`` contracted with parameter ``w`` over tensor dim ``w_in`` of ``w``'s view."""
+    """``x`` contracted with parameter ``w`` over tensor dim ``w_in`` of ``w``'s view; the
+    features sit on ``feature_dim`` of ``x`` and of the result (channels: dim 1)."""
     p_in, p_out = w.dims[w_in], w.dims[w_out]
     xv = an.val(x)
     module = innermost_module(node)
@@ -58,7 +61,9 @@ def linear_like(
     if isinstance(xv, Partial):
         an.reduce_partials(node)
         xv = None
-    out_features = an.shape(node)[-1]
+    nd = an.ndim(node)
+    fd = feature_dim % nd
+    out_features = an.shape(node)[fd]
     if xv is None:
         if w.fqn in an.forced_replicated or (w.fqn, p_out) in an.forced_replicated:
             return None
@@ -66,14 +71,18 @@ def linear_like(
         if bias_fqn is not None:
             an.union(an.atoms.param_atoms(bias_fqn, bias_ref.dims[0], out_features), atoms)
         an.columns.append(ColumnUse(node, w.fqn, p_out, p_in, bias_fqn, module, atoms))
-        return Feat(atoms.reshape((1,) * (an.ndim(node) - 1) + (-1,)))
+        return Feat(atoms.reshape([-1 if d == fd else 1 for d in range(nd)]))
     if not isinstance(xv, Feat):
         return None
     xa = an.aligned_to(xv.atoms, an.ndim(x))
-    if any(s > 1 for s in xa.shape[:-1]) or xa.shape[-1] == 1:
+    xfd = feature_dim % an.ndim(x)
+    if any(s > 1 for d, s in enumerate(xa.shape) if d != xfd) or xa.shape[xfd] == 1:
         an.poison_node(node, f"{w.fqn} contracts features that vary along other dims", xv)
         return None
-    k = an.shape(x)[-1]
+    if bias_fqn is not None and xfd != an.ndim(x) - 1:
+        an.poison_node(node, f"{w.fqn}: a row-parallel contraction adds its bias off the last dim", xv)
+        return None
+    k = an.shape(x)[xfd]
     in_atoms = an.atoms.param_atoms(w.fqn, p_in, k)
     an.union(in_atoms, xa.reshape(-1))
     an.rows.append(RowUse(node, w.fqn, p_in, bias_fqn, module, in_atoms))
@@ -231,16 +240,82 @@ def sdpa(an: Analysis, node: torch.fx.Node) -> object:
 
 @rule(aten.embedding)
 def embedding(an: Analysis, node: torch.fx.Node) -> object:
+    """A lookup is ``one_hot(ids) · W``, a contraction over W's rows: either the rows are
+    split (vocab-parallel, a masked lookup and an all-reduce) or, like a column-parallel
+    linear, W's columns are (T5's relative-position bias table has one column per head).
+    Token ids from the caller take the vocabulary path; for ids computed in the graph
+    (positions, relative-position buckets) columns are tried first, and a hidden-size
+    table fuses into one unit at the first norm and falls back to rows on the next pass."""
     w, ids = node.args[:2]
     wv = an.val(w)
-    if not isinstance(wv, ParamRef) or isinstance(an.val(ids), Feat):
+    if not isinstance(wv, ParamRef) or isinstance(an.val(ids), Feat | Partial):
         return None
-    if wv.dims[0] is None or wv.fqn in an.forced_replicated or (wv.fqn, wv.dims[0]) in an.forced_replicated:
+    rows, cols = wv.dims[0], wv.dims[1] if len(wv.dims) > 1 else None
+    forced = an.forced_replicated
+    if rows is None or wv.fqn in forced:
         return None
-    rows = an.shape(w)[0]
-    atoms = an.atoms.param_atoms(wv.fqn, wv.dims[0], rows)
-    an.embeddings.append(EmbeddingUse(node, wv.fqn, innermost_module(node), atoms))
+    module = innermost_module(node)
+    computed_ids = isinstance(ids, torch.fx.Node) and ids.op != "placeholder"
+    if computed_ids and cols is not None and (wv.fqn, cols) not in forced:
+        atoms = an.atoms.param_atoms(wv.fqn, cols, an.shape(w)[1])
+        an.columns.append(ColumnUse(node, wv.fqn, cols, rows, None, module, atoms))
+        return Feat(atoms.reshape((1,) * (an.ndim(node) - 1) + (-1,)))
+    if (wv.fqn, rows) in forced:
+        return None
+    atoms = an.atoms.param_atoms(wv.fqn, rows, an.shape(w)[0])
+    an.embeddings.append(EmbeddingUse(node, wv.fqn, module, atoms))
     return None
+
+
+@rule(aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution, aten._convolution)
+def conv(an: Analysis, node: torch.fx.Node) -> object:
+    """Convolutions over channels (dim 1), the weight ``[C_out, C_in / groups, *kernel]``.
+
+    ``groups == 1`` contracts every input channel: output channels split like a column
+    linear (replicated input), or input channels like a row linear (partial sums).  A
+    depthwise conv (``groups == C_in == C_out``, a state-space mixer's) is channel-wise:
+    each output channel follows its input channel, and so do the weight's and bias's
+    rows; ``groups`` becomes rank-local (a fix-up).
+    """
+    x, w = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else None
+    packet = getattr(node.target, "overloadpacket", node.target)
+    groups = node.args[8] if packet in (aten.convolution, aten._convolution) else (
+        node.args[6] if len(node.args) > 6 else 1)
+    xv, wv = an.val(x), an.val(w)
+    if isinstance(xv, Partial):
+        an.reduce_partials(node)
+        xv = None
+    if not isinstance(wv, ParamRef):
+        if isinstance(xv, Feat) or isinstance(wv, Feat):
+            an.poison_node(node, "convolution with a computed kernel", xv, wv)
+        return None
+    nd = an.ndim(node)
+    c_out, c_in = an.shape(w)[0], an.shape(x)[1]
+    if groups == 1:
+        if xv is not None and not _channels_only(an, x, xv):
+            an.poison_node(node, "convolution over features that vary along other dims", xv)
+            return None
+        return linear_like(an, node, x, ParamRef(wv.fqn, (wv.dims[1], wv.dims[0])), 0, 1, bias,
+                           feature_dim=1)
+    if not isinstance(xv, Feat):
+        return None
+    if not (groups == c_in == c_out) or not _channels_only(an, x, xv):
+        an.poison_node(node, f"grouped convolution (groups={groups}) on sharded channels", xv)
+        return None
+    atoms = an.aligned_to(xv.atoms, nd)
+    an.aligned.append(Aligned(node, ParamRef(wv.fqn, (None, wv.dims[0]) + (None,) * (nd - 2)), atoms,
+                              (1, c_out) + (1,) * (nd - 2), True))
+    bv = an.val(bias) if isinstance(bias, torch.fx.Node) else None
+    if isinstance(bv, ParamRef):
+        an.aligned.append(Aligned(node, ParamRef(bv.fqn, (None, bv.dims[0]) + (None,) * (nd - 2)), atoms,
+                                  (1, c_out) + (1,) * (nd - 2), True))
+    return an.feat(atoms)  # channel c of the output is channel c of the input
+
+
+def _channels_only(an: Analysis, x: torch.fx.Node, v: Feat) -> bool:
+    a = an.aligned_to(v.atoms, an.ndim(x))
+    return a.shape[1] > 1 and all(s == 1 for i, s in enumerate(a.shape) if i != 1)
 
 
 @rule(aten.index)
@@ -261,4 +336,4 @@ def index(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(an.aligned_to(np.asarray(rest), an.ndim(node)))
 
 
-CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, sdpa, embedding, index]
+CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, sdpa, embedding, conv, index]

@@ -44,6 +44,9 @@ def _partial_result(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]
         if packet in (aten.add, aten.sub) and not others:
             return Partial(tuple(r for p in partials for r in p.rows))
     an.reduce_partials(node)
+    if any(isinstance(v, Feat) for v in others):
+        # the reduced sum is whole on every rank, the other operand only a slice of it
+        an.poison_node(node, "a partial sum meets sharded features", *others)
     return None
 
 
@@ -86,7 +89,6 @@ _POINTWISE_OPS = [
     aten.floor, aten.ceil, aten.round, aten.trunc, aten.log1p, aten.expm1, aten.elu,
     aten.leaky_relu, aten.hardtanh, aten.mish, aten.hardswish, aten.hardsigmoid,
     aten.gelu_, aten.mul_, aten.add_, aten.div_, aten.sub_, aten.tanh_, aten.relu_,
-    aten.fill, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like,
     aten.isnan, aten.isinf, aten.nan_to_num, aten.lerp, aten.addcmul, aten.addcdiv,
     aten.fmod, aten.remainder, aten.__and__, aten.__or__, aten.atan, aten.log_sigmoid,
 ]
@@ -94,9 +96,6 @@ _POINTWISE_OPS = [
 
 @rule(*_POINTWISE_OPS)
 def elementwise(an: Analysis, node: torch.fx.Node) -> object:
-    packet = getattr(node.target, "overloadpacket", node.target)
-    if packet in (aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.fill):
-        return None  # a fresh tensor: it carries no features (a sharded shape is fine)
     return pointwise(an, node)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tpcompile.analysis.propagate import Analysis, rule
+from tpcompile.analysis.propagate import Analysis, rule, slice_indices
 from tpcompile.analysis.state import Feat, ParamRef, Partial
 
 __all__ = ["SHAPE_RULES"]
@@ -163,12 +163,7 @@ def slice_(an: Analysis, node: torch.fx.Node) -> object:
     dim = (node.args[1] if len(node.args) > 1 else 0) % nd
     if atoms.shape[dim] == 1:
         return Feat(atoms)
-    size = an.shape(src)[dim]
-    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
-    step = node.args[4] if len(node.args) > 4 else 1
-    idx = range(*slice(start, end, step).indices(size))
-    return an.feat(np.take(atoms, list(idx), axis=dim))
+    return an.feat(np.take(atoms, slice_indices(node.args[2:5], an.shape(src)[dim]), axis=dim))
 
 
 @rule(aten.select)

@@ -40,13 +40,14 @@ def plan_model(
     rules: Iterable[Rule] | None = None,
     overrides: dict[str, str] | None = None,
     strict: bool = True,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
+    example_inputs: dict[str, Any] | None = None,
 ) -> Plan:
     """Decide how to split ``model`` over ``tp`` ranks, without touching it.
 
     Needs no process group and no weights: build the model on the meta device to plan a
-    405B model on a laptop.
+    405B model on a laptop.  ``example_inputs`` is one batch of keyword arguments the
+    forward accepts; by default it is built from the model itself
+    (:func:`tpcompile.inputs.example_inputs`).
 
     Example:
         >>> with torch.device("meta"):
@@ -58,7 +59,7 @@ def plan_model(
     if not isinstance(tp, int) or tp < 1:
         raise TPError(f"tp must be a positive integer, got {tp!r}")
     t0 = time.perf_counter()
-    cap = capture(model, example_args=example_args, example_kwargs=example_kwargs)
+    cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
     a = analyze(
         cap.graph, _ruleset(rules), tp,
@@ -69,7 +70,7 @@ def plan_model(
     fixups = find_fixups(a, model) if tp > 1 else {}
     if fixups:
         def retrace() -> fx.Graph:
-            return capture(model, example_args=example_args, example_kwargs=example_kwargs).graph
+            return capture(model, example_kwargs=example_inputs).graph
 
         fixups = verify_fixups(model, fixups, cap.graph, retrace)
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
@@ -146,6 +147,7 @@ def transform(
     overrides: dict[str, str] | None = None,
     strict: bool = True,
     load_state_dict_from_rank0: bool = False,
+    example_inputs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
 
@@ -168,6 +170,8 @@ def transform(
         strict: raise on ops no rule can place; ``False`` replicates them with a warning.
         load_state_dict_from_rank0: rank 0 holds the real weights, the other ranks may
             have built the model on the meta device; rank 0 sends each rank its shards.
+        example_inputs: one batch of keyword arguments the forward accepts, to trace
+            with; default: built from the model (``main_input_name`` and config sizes).
 
     The result carries ``model.tpcompile_plan`` (the :class:`Plan`) and
     ``model.tpcompile_table`` (the :class:`~tpcompile.translate.TranslationTable`
@@ -183,7 +187,8 @@ def transform(
         raise TPError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     tp_mesh = _resolve_mesh(model, tp, mesh)
     be = _backend(backend, tp_mesh)
-    plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides, strict=strict)
+    plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides,
+                      strict=strict, example_inputs=example_inputs)
     table = build_table(model, plan)
     full = None
     if load_state_dict_from_rank0 and dist.get_rank() == 0:

@@ -123,12 +123,9 @@ def _truncated(model: nn.Module, stacks: dict[str, tuple[nn.ModuleList, list[int
 
 
 def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
-    ids = torch.zeros(_EXAMPLE_BATCH, _EXAMPLE_SEQ, dtype=torch.long, device=device)
-    return (ids,), {}
+    from .inputs import example_inputs
+
+    return (), example_inputs(model, batch=_EXAMPLE_BATCH, seq=_EXAMPLE_SEQ)
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
@@ -155,8 +152,9 @@ def capture(
     Args:
         model: any ``nn.Module`` whose forward takes token ids (HF models do); real,
             meta or fake parameters.
-        example_args / example_kwargs: inputs to trace with; default ``input_ids`` of
-            shape ``(2, 7)`` on the model's device.
+        example_args / example_kwargs: inputs to trace with; default: one batch built
+            from the model itself (:func:`tpcompile.inputs.example_inputs`: ``input_ids``,
+            ``pixel_values``, ``input_features``, ``decoder_input_ids`` ...).
         cut_stacks: analyse one block per distinct structure of each repeated stack.
 
     Example:
@@ -164,9 +162,9 @@ def capture(
         >>> cap.stacks.expand("model.layers.0.mlp.up_proj.weight")  # all 32 layers
     """
     start = time.perf_counter()
-    if example_args is None:
-        example_args, default_kwargs = _example_inputs(model)
-        example_kwargs = {**default_kwargs, **(example_kwargs or {})}
+    if example_args is None and not example_kwargs:
+        example_args, example_kwargs = _example_inputs(model)
+    example_args = example_args or ()
     stacks = _find_stacks(model) if cut_stacks else {}
     was_training = model.training
     model.eval()  # dropout off: it would only add noise nodes to the graph

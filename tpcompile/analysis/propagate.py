@@ -35,7 +35,23 @@ from .state import (
     RowUse,
 )
 
-__all__ = ["Analysis", "Rule", "RuleSet", "rule"]
+__all__ = ["Analysis", "Rule", "RuleSet", "place_atoms", "rule", "slice_indices"]
+
+aten = torch.ops.aten
+# ops that move elements between dims: uniformity survives only an all-uniform input
+_MOVING = {
+    aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.permute,
+    aten.transpose, aten.t, aten.unsqueeze, aten.squeeze, aten.select, aten.movedim,
+}
+# elementwise ops (and same-dim views) that keep a value uniform along a dim
+_ELEMENTWISE = {
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.where, aten.masked_fill, aten.eq,
+    aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_and, aten.logical_or,
+    aten.logical_not, aten.bitwise_and, aten.bitwise_or, aten.bitwise_not, aten.minimum,
+    aten.maximum, aten.clamp, aten.exp, aten.log, aten.pow, aten.to, aten._to_copy, aten.clone,
+    aten.contiguous, aten.alias, aten.detach, aten.slice, aten.expand, aten.type_as,
+    aten.add_, aten.mul_, aten.sub_, aten.div_, aten.masked_fill_, aten.copy, aten.lift_fresh_copy,
+}
 
 RuleFn = Callable[["Analysis", fx.Node], Any]
 
@@ -95,6 +111,51 @@ def module_path(node: fx.Node) -> list[str]:
     return [v[0] for v in stack.values()]
 
 
+def slice_indices(bounds: Sequence[Any], size: int) -> list[int]:
+    """Positions a ``slice(start, end, step)`` op's bound arguments select out of ``size``."""
+    start = bounds[0] if len(bounds) > 0 and bounds[0] is not None else 0
+    end = bounds[1] if len(bounds) > 1 and bounds[1] is not None else size
+    step = bounds[2] if len(bounds) > 2 else 1
+    return list(range(*slice(start, end, step).indices(size)))
+
+
+def place_atoms(old: np.ndarray | None, src: np.ndarray | None, nd: int, dim: int, size: int,
+                idx: list[int]) -> np.ndarray:
+    """Atoms of a tensor ``old`` (``None``: no features) after ``src`` is written at
+    positions ``idx`` of ``dim`` (both already aligned to ``nd`` dims)."""
+    old = old if old is not None else np.full((1,) * nd, -1, dtype=np.int64)
+    src = src if src is not None else np.full((1,) * nd, -1, dtype=np.int64)
+    shape = [max(a, b) for a, b in zip(old.shape, src.shape, strict=True)]
+    shape[dim] = size
+    if old.shape[dim] == 1:
+        old = np.take(old, [0] * size, axis=dim)
+    full = np.array(np.broadcast_to(old, shape))
+    if src.shape[dim] == 1:
+        src = np.take(src, [0] * len(idx), axis=dim)
+    index: list[Any] = [slice(None)] * nd
+    index[dim] = idx
+    full[tuple(index)] = np.broadcast_to(src, [len(idx) if d == dim else s for d, s in enumerate(shape)])
+    return full
+
+
+_VIEW_OPS = {
+    aten.slice, aten.select, aten.view, aten.reshape, aten.transpose, aten.permute, aten.t,
+    aten.unsqueeze, aten.squeeze, aten.expand, aten.narrow, aten.diagonal, aten.unflatten,
+    aten.alias, aten.as_strided,
+}
+
+
+def _writes_through_view(node: fx.Node) -> bool:
+    """``node`` mutates its first argument in place, and that argument is a view."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not node.args:
+        return False
+    info = schema.arguments[0].alias_info
+    dst = node.args[0]
+    return bool(info is not None and info.is_write and isinstance(dst, fx.Node)
+                and getattr(dst.target, "overloadpacket", None) in _VIEW_OPS)
+
+
 def _op_name(target: Any) -> str:
     return str(getattr(target, "__name__", target))
 
@@ -127,6 +188,10 @@ class Analysis:
         self.reduce_points: list[ReducePoint] = []
         self.outputs: list[np.ndarray] = []
         self.replicated_bases: list[np.ndarray] = []
+        # values that are the same along some dims (a factory's fill, broadcast over): per
+        # node, one flag per dim.  A sharded activation may meet such a value along a
+        # uniform dim: once its size is rank-local, every rank's slice is the same.
+        self.uniform: dict[fx.Node, tuple[bool, ...]] = {}
         self._params = param_of_placeholder
         self._buffers = buffer_of_placeholder
 
@@ -139,6 +204,8 @@ class Analysis:
                 self.value[node] = self._call(node)
                 if any(isinstance(a, fx.Node) and a in self.tainted for a in node.all_input_nodes):
                     self.tainted.add(node)
+                elif self.value[node] is None and node not in self.uniform:
+                    self._track_uniform(node)
             elif node.op == "output":
                 self._output(node)
         return self
@@ -155,7 +222,10 @@ class Analysis:
     def _call(self, node: fx.Node) -> Any:
         r = self.rules.find(node.target)
         if r is not None:
-            return r.fn(self, node)
+            value = r.fn(self, node)
+            if _writes_through_view(node):
+                self.write_through(node, node.args[0], value)
+            return value
         vals = [self.value.get(a) for a in node.all_input_nodes]
         if any(isinstance(v, Feat | Partial) for v in vals):
             reason = (
@@ -173,6 +243,72 @@ class Analysis:
                 self.outputs.append(v.atoms)
             elif isinstance(v, Partial):
                 self.reduce_points.append(ReducePoint(node, v.rows))
+
+    def _track_uniform(self, node: fx.Node) -> None:
+        """A replicated value stays uniform along a dim if it comes from elementwise math
+        whose tensor inputs are uniform along it or broadcast there (size 1); a view or
+        permutation keeps only an everywhere-uniform value."""
+        if not isinstance(self.meta(node), torch.Tensor):
+            return
+        inputs = [a for a in node.all_input_nodes if isinstance(self.meta(a), torch.Tensor)]
+        if not inputs or not any(a in self.uniform for a in inputs):
+            return
+        nd = self.ndim(node)
+        packet = getattr(node.target, "overloadpacket", node.target)
+        if packet in _MOVING:
+            if all(all(self.uniform.get(a, (False,))) for a in inputs):
+                self.mark_uniform(node)
+            return
+        if packet not in _ELEMENTWISE:
+            return
+        flags = []
+        for d in range(nd):
+            ok = True
+            for a in inputs:
+                shape = (1,) * (nd - self.ndim(a)) + self.shape(a)
+                u = self.uniform.get(a)
+                if shape[d] > 1 and (u is None or not ((True,) * (nd - len(u)) + u)[d]):
+                    ok = False
+                    break
+            flags.append(ok)
+        if any(flags):
+            self.uniform[node] = tuple(flags)
+
+    def mark_uniform(self, node: fx.Node) -> None:
+        """``node`` is a freshly filled tensor: the same value everywhere."""
+        self.uniform[node] = (True,) * self.ndim(node)
+
+    def write_through(self, node: fx.Node, dst: Any, src_value: Any) -> None:
+        """An in-place write of ``src_value`` into ``dst``, a ``slice`` chain of a base
+        tensor: later readers of the base see the written features at those positions."""
+        chain: list[fx.Node] = []
+        while isinstance(dst, fx.Node) and getattr(dst.target, "overloadpacket", None) is aten.slice:
+            chain.append(dst)
+            dst = dst.args[0]
+        if not chain or not isinstance(dst, fx.Node):
+            if isinstance(src_value, Feat | Partial):
+                self.poison_node(node, "in-place write of sharded features through a view", src_value)
+            return
+        base = dst
+        nd = self.ndim(base)
+        cur = self.value.get(base)
+        if isinstance(src_value, Partial):
+            self.reduce_partials(node)  # the sum is needed before it is stored
+            src_value = None
+        if not isinstance(src_value, Feat) and not isinstance(cur, Feat):
+            return  # nothing sharded before or after: the base stays replicated
+        if len(chain) != 1 or isinstance(cur, Partial | ParamRef):
+            self.poison_node(node, "in-place write into a sharded tensor through a view", src_value, cur)
+            return
+        sl = chain[0]
+        dim = (sl.args[1] if len(sl.args) > 1 else 0) % nd
+        size = self.shape(base)[dim]
+        idx = slice_indices(sl.args[2:5], size)
+        src = self.aligned_to(src_value.atoms, nd) if isinstance(src_value, Feat) else None
+        old = self.aligned_to(cur.atoms, nd) if isinstance(cur, Feat) else None
+        full = place_atoms(old, src, nd, dim, size, idx)
+        self.value[base] = self.feat(full)
+        self.uniform.pop(base, None)
 
     # ---- helpers for rules ---------------------------------------------------------
     def val(self, arg: Any) -> Any:

@@ -99,6 +99,8 @@ def _aligned_checks(a: Analyzed) -> set:
                 a.grad_allreduce.add(ref.fqn)
             continue
         node: fx.Node = ev.operand
+        if sliced and not ev.tainted and _uniform_along(an, node, sliced, nd):
+            continue  # a fresh fill: rank-local once its size is (a fix-up; the dry run checks)
         if sliced or (shared and ev.tainted):
             what = "would need slicing" if sliced else "has a gradient the local features each add to"
             a.notes.append(
@@ -107,6 +109,14 @@ def _aligned_checks(a: Analyzed) -> set:
             )
             force |= _region_blocks(part, an, ev.atoms.reshape(-1))
     return force
+
+
+def _uniform_along(an: Analysis, node: fx.Node, dims: list[int], nd: int) -> bool:
+    flags = an.uniform.get(node)
+    if flags is None:
+        return False
+    flags = (True,) * (nd - len(flags)) + flags
+    return all(flags[d] for d in dims)
 
 
 def _slice_layout(fqn: str, pd: int | None, ranks: np.ndarray, d: int, tp: int) -> BlockLayout | None:

@@ -1,0 +1,79 @@
+"""Fresh tensors and in-place writes.
+
+A factory (``zeros``, ``new_empty``, ``full_like`` ...) makes a tensor that carries no
+features and holds one value everywhere: it may meet sharded features along any dim
+once its size is rank-local (Mamba's scan state, T5's zero position bias, DeepSeek's
+key buffer).  Model code then often fills part of such a buffer in place —
+``key[..., :d].copy_(k_nope)`` — so a write through a ``slice`` of a base hands the
+written features to every later reader of the base (see
+:meth:`~tpcompile.analysis.propagate.Analysis.write_through`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tpcompile.analysis.propagate import Analysis, place_atoms, rule, slice_indices
+from tpcompile.analysis.state import Feat, Partial
+
+__all__ = ["MEMORY_RULES"]
+
+aten = torch.ops.aten
+
+
+@rule(
+    aten.zeros, aten.ones, aten.empty, aten.full, aten.new_zeros, aten.new_ones, aten.new_empty,
+    aten.new_full, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.fill,
+    aten.fill_, aten.scalar_tensor, aten.empty_strided, aten.new_empty_strided, aten.zero_,
+    aten.zero,
+)
+def factory(an: Analysis, node: torch.fx.Node) -> object:
+    """A fresh tensor: no features, one value everywhere (its sizes may be global)."""
+    if isinstance(an.meta(node), torch.Tensor):
+        an.mark_uniform(node)
+    return None
+
+
+@rule(aten.copy_, aten.copy)
+def copy(an: Analysis, node: torch.fx.Node) -> object:
+    """``dst.copy_(src)``: the result holds ``src`` broadcast to ``dst``'s shape."""
+    src = node.args[1]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return None
+    if isinstance(v, Feat):
+        return an.feat(an.aligned_to(v.atoms, an.ndim(node)))
+    if src in an.uniform:
+        an.mark_uniform(node)
+    return None
+
+
+@rule(aten.slice_scatter, aten.select_scatter)
+def scatter(an: Analysis, node: torch.fx.Node) -> object:
+    """``base`` with ``src`` written at a slice (the functional form of ``base[s] = src``)."""
+    base, src = node.args[:2]
+    bv, sv = an.val(base), an.val(src)
+    if isinstance(bv, Partial) or isinstance(sv, Partial):
+        an.reduce_partials(node)
+        return None
+    if not isinstance(bv, Feat) and not isinstance(sv, Feat):
+        return None
+    nd = an.ndim(node)
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    size = an.shape(node)[dim]
+    src_atoms = None
+    if getattr(node.target, "overloadpacket", None) is aten.select_scatter:
+        idx = [node.args[3] % size]
+        if isinstance(sv, Feat):
+            src_atoms = np.expand_dims(an.aligned_to(sv.atoms, nd - 1), dim)
+    else:
+        idx = slice_indices(node.args[3:6], size)
+        if isinstance(sv, Feat):
+            src_atoms = an.aligned_to(sv.atoms, nd)
+    old = an.aligned_to(bv.atoms, nd) if isinstance(bv, Feat) else None
+    return an.feat(place_atoms(old, src_atoms, nd, dim, size, idx))
+
+
+MEMORY_RULES = [factory, copy, scatter]
