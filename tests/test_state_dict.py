@@ -87,3 +87,77 @@ def test_state_dict_is_the_hf_state_dict(world: int) -> None:
     for result in run_distributed(_state_dicts, world, cases):
         bad = {k: v for k, v in result.items() if v}
         assert not bad, bad
+
+
+# ---- plain torch DCP ------------------------------------------------------------------
+
+
+def _dcp_build(name: str, ov: dict, layout: str, seed: int) -> torch.nn.Module:
+    model = _build(name, ov, seed=seed)
+    if layout.startswith("tp") and layout != "tp1dp2":
+        return tpcompile.transform(model, tp=int(layout[2:]))
+    tp, dp = {"dp2tp2": (2, 2), "tp1dp2": (1, 2)}[layout]
+    return tpcompile.parallelize(model, tp=tp, dp_shard=dp).eval()
+
+
+def _dcp_save(root: str, layout: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    for i, (name, ov) in enumerate(DCP_CASES):
+        model = _dcp_build(name, ov, layout, seed=0)
+        dcp.save(get_model_state_dict(model), checkpoint_id=f"{root}/{layout}/{i}")
+
+
+def _dcp_load(root: str, layout: str, saved: list[str]) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    out = {}
+    for i, (name, ov) in enumerate(DCP_CASES):
+        for src in saved:
+            model = _dcp_build(name, ov, layout, seed=7)
+            sd = get_model_state_dict(model)
+            dcp.load(sd, checkpoint_id=f"{root}/{src}/{i}")
+            set_model_state_dict(model, sd)
+            out[f"{name}{ov} {src}->{layout}"] = _logits(model).tolist()
+    return out
+
+
+def _dcp_world2_save(rank: int, world: int, root: str) -> None:
+    _dcp_save(root, "tp2")
+
+
+def _dcp_world4(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    _dcp_save(root, "dp2tp2")
+    return _dcp_load(root, "tp4", ["tp2", "dp2tp2"])
+
+
+def _dcp_world2_load(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    return _dcp_load(root, "tp1dp2", ["tp2", "dp2tp2"])
+
+
+@pytest.mark.slow
+def test_plain_dcp_reshards_across_layouts(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    root = str(tmp_path)
+    run_distributed(_dcp_world2_save, 2, root)
+    got = run_distributed(_dcp_world4, 4, root)[0]
+    got.update(run_distributed(_dcp_world2_load, 2, root)[0])
+    for i, (name, ov) in enumerate(DCP_CASES):
+        want = _logits(_build(name, ov))
+        for src in ("tp2", "dp2tp2"):
+            plain = _build(name, ov, seed=7)  # a plain model in this one process
+            sd = plain.state_dict()
+            dcp.load(sd, checkpoint_id=f"{root}/{src}/{i}", no_dist=True)
+            plain.load_state_dict(sd)
+            got[f"{name}{ov} {src}->plain"] = _logits(plain).tolist()
+        bad = {}
+        for key, logits in got.items():
+            if key.startswith(f"{name}{ov} "):
+                err = (torch.tensor(logits) - want).abs().max().item()
+                if not err < 1e-5:
+                    bad[key] = err
+        assert not bad, bad
+    assert len(got) == len(DCP_CASES) * 6
