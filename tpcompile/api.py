@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
@@ -14,8 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .analysis.fixups import find_fixups, verify_fixups
 from .analysis.propagate import Rule, RuleSet
-from .analysis.roles import analyze
-from .capture import capture
+from .analysis.roles import Analyzed, analyze
+from .analysis.selfcheck import Mismatch, check_local, raise_mismatches, resolve_fixups
+from .capture import Capture, capture
 from .errors import TPError
 from .plan import Plan, key_matches
 from .rewrite import apply_plan, build_plan
@@ -67,12 +69,7 @@ def plan_model(
         buffer_of_placeholder=cap.buffer_of_placeholder,
         strict=strict, overrides=overrides,
     )
-    fixups = find_fixups(a, model) if tp > 1 else {}
-    if fixups:
-        def retrace() -> fx.Graph:
-            return capture(model, example_kwargs=example_inputs).graph
-
-        fixups = verify_fixups(model, fixups, cap.graph, retrace)
+    fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
     _check_overrides(plan, overrides)
     plan.stats = {
@@ -82,6 +79,38 @@ def plan_model(
         "traced_blocks": cap.stacks.traced_len,
     }
     return plan
+
+
+def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
+                  example_inputs: dict[str, Any] | None) -> dict[str, dict[str, list[int]]]:
+    """Hard-coded sizes made rank-local, proven by tracing rank 0's localized model.
+
+    Candidates whose local value does not change the traced graph are dropped; sizes
+    two attributes share globally are resolved by trying assignments; whatever remains
+    inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
+    def retrace() -> fx.Graph:
+        return capture(model, example_kwargs=example_inputs).graph
+
+    fixups, ambiguous = find_fixups(a, model)
+    if fixups:
+        fixups = verify_fixups(model, fixups, cap.graph, retrace)
+    if ambiguous:  # keep only attributes the forward turns into a shape
+        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in ambiguous.items()}
+        kept = verify_fixups(model, probe, cap.graph, retrace)
+        ambiguous = {m: {k: ambiguous[m][k] for k in attrs} for m, attrs in kept.items()}
+
+    def trace(shadow: nn.Module) -> fx.Graph:
+        inputs = None if example_inputs is None else {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+        return capture(shadow, example_kwargs=inputs).graph
+
+    def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
+        return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
+                           representative=cap.stacks.representative)
+
+    fixups, problems = resolve_fixups(fixups, ambiguous, check)
+    raise_mismatches(problems, model, tp)
+    return fixups
 
 
 def _check_overrides(plan: Plan, overrides: dict[str, str] | None) -> None:

@@ -22,7 +22,7 @@ from .capture import Capture
 from .errors import TPError
 from .plan import ModulePlan, ParamPlan, Plan, Role, index_to_runs
 
-__all__ = ["apply_plan", "build_plan"]
+__all__ = ["apply_plan", "build_plan", "localize_embedding"]
 
 
 def _owner(fqn: str) -> tuple[str, str]:
@@ -147,7 +147,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
             emb = next(plan.params[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in plan.params)
             runs = emb.runs[backend.rank]
             vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])
-            _localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
+            localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
         replicas = {n: plan.params[f"{mname}.{n}"] for n in names
                     if plan.params.get(f"{mname}.{n}") and plan.params[f"{mname}.{n}"].layout == "kv_replicated"}
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
@@ -159,6 +159,10 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
         from .state_dict import install_state_dict_hooks
 
         install_state_dict_hooks(model, plan.params, backend.mesh)
+        # transformers' own model.save_pretrained would gather onto one rank: route it
+        from .checkpoint.hf_methods import bind_save_pretrained
+
+        bind_save_pretrained(model)
     if hasattr(backend, "reset"):  # an input shared by column modules never spans two passes
         model.register_forward_pre_hook(lambda *_: backend.reset())
         model.register_forward_hook(lambda *_: backend.reset())
@@ -166,7 +170,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     return model
 
 
-def _localize_embedding(module: nn.Module, vocab_range: tuple[int, int], local_rows: int) -> None:
+def localize_embedding(module: nn.Module, vocab_range: tuple[int, int], local_rows: int) -> None:
     """``nn.Embedding``'s own bookkeeping: local row count and padding index."""
     start, end = vocab_range
     if hasattr(module, "num_embeddings"):

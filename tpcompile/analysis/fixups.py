@@ -29,12 +29,13 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["apply_fixups", "find_fixups", "verify_fixups"]
+__all__ = ["Local", "apply_fixups", "find_fixups", "verify_fixups"]
 
 aten = torch.ops.aten
+_CONV = (aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution, aten._convolution)
 
 
-class _Local:
+class Local:
     """Rank 0's view of the analysed graph: how many positions of a dim it holds."""
 
     def __init__(self, a: Analyzed) -> None:
@@ -75,7 +76,7 @@ class _Local:
         return self.count(self.line(node, d)[:stop])
 
 
-def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:
+def _pairs(a: Analyzed, loc: Local) -> dict[str, dict[int, set[int]]]:
     an = a.an
     pairs: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for node in an.graph.nodes:
@@ -106,6 +107,11 @@ def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:
             users = sorted((u for u in node.users), key=lambda u: u.args[1])
             for s, u in zip(sizes, users, strict=False):
                 pairs[mod][int(s)].add(loc.size(u, dim))
+        elif packet in _CONV and isinstance(an.value.get(node.args[0]), Feat):
+            groups = node.args[8] if packet in (aten.convolution, aten._convolution) else (
+                node.args[6] if len(node.args) > 6 else 1)
+            if isinstance(groups, int) and groups > 1:  # depthwise: one group per channel
+                pairs[mod][groups].add(loc.size(node, 1))
         elif packet is aten.slice and isinstance(an.value.get(node.args[0]), Feat):
             src = node.args[0]
             dim = node.args[1] % an.ndim(src)
@@ -116,7 +122,7 @@ def _pairs(a: Analyzed, loc: _Local) -> dict[str, dict[int, set[int]]]:
     return pairs
 
 
-def _expand_copies(a: Analyzed, loc: _Local, node: fx.Node, pairs: dict) -> None:
+def _expand_copies(a: Analyzed, loc: Local, node: fx.Node, pairs: dict) -> None:
     """``repeat_kv``: the local copy count of an expand merged into the head dim."""
     src = node.args[0]
     if not isinstance(src, fx.Node) or getattr(src.target, "overloadpacket", None) is not aten.expand:
@@ -133,11 +139,15 @@ def _expand_copies(a: Analyzed, loc: _Local, node: fx.Node, pairs: dict) -> None
         pairs[innermost_module(src)][in_shape[d]].add(out_local // other)
 
 
-def find_fixups(a: Analyzed, model: nn.Module) -> dict[str, dict[str, list[int]]]:
-    """``{module fqn: {attr or "config.attr": [global, local]}}`` (representative FQNs)."""
-    loc = _Local(a)
+def find_fixups(a: Analyzed, model: nn.Module) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, list]]]:
+    """``({module fqn: {attr or "config.attr": [global, local]}}, ambiguous)``, by
+    representative FQNs.  ``ambiguous[module][attr] = [global, [locals]]`` lists the
+    attributes whose global value maps to several local values in that module (two
+    sizes that coincide globally); :mod:`.selfcheck` picks among them by tracing."""
+    loc = Local(a)
     mods = dict(model.named_modules())
     result: dict[str, dict[str, list[int]]] = {}
+    ambiguous: dict[str, dict[str, list]] = {}
     for mod_name, values in _pairs(a, loc).items():
         module = mods.get(mod_name)
         if module is None:
@@ -149,13 +159,17 @@ def find_fixups(a: Analyzed, model: nn.Module) -> dict[str, dict[str, list[int]]
             candidates += [(f"config.{k}", v) for k, v in vars(config).items() if type(v) is int]
         for attr, value in candidates:
             locals_ = values.get(value)
-            if locals_ and len(locals_) == 1:
+            if not locals_:
+                continue
+            if len(locals_) == 1:
                 local = next(iter(locals_))
                 if local != value:
                     changes[attr] = [value, local]
+            else:
+                ambiguous.setdefault(mod_name, {})[attr] = [value, sorted(v for v in locals_ if v != value)]
         if changes:
             result[mod_name] = changes
-    return result
+    return result, ambiguous
 
 
 class _ConfigView:

@@ -1,0 +1,226 @@
+"""Self-check: trace the localized model before anyone runs it.
+
+``transform`` must never return a model that crashes or computes differently.  The
+analysis predicts, for every activation carrying sharded features, its shape on a rank;
+the rewrite makes parameters local and fixes hard-coded sizes.  This module checks the
+two agree *before* any weight moves: it builds a shadow of the model on the meta device
+whose parameters have their local shapes and whose fix-ups are applied, traces it with
+the same inputs, and compares each op's output shape with the prediction.
+
+Every rank holds the same local shapes (layouts are dealt evenly; padding keeps a
+non-divisible vocabulary even), so rank 0's shadow stands for all of them.  Collectives
+do not change shapes (an all-reduce keeps its input's; the logit gather comes after the
+last traced op that the prediction covers), so the shadow runs without them and needs
+no process group.
+
+The same check resolves hard-coded sizes the graph leaves ambiguous: when one global
+value maps to several local values in a module (``num_key_value_heads`` 2 → 1 and
+``num_key_value_groups`` 2 → 2), each candidate assignment is traced and the one whose
+local graph matches the prediction is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..errors import TPError
+from ..rewrite import localize_embedding
+from .fixups import Local, apply_fixups
+from .propagate import innermost_module
+from .roles import Analyzed
+from .state import Feat
+
+__all__ = ["Mismatch", "check_local", "raise_mismatches", "resolve_fixups"]
+
+Fixups = dict[str, dict[str, list[int]]]
+_MAX_TRIALS = 32
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One op whose local output shape differs from the plan's prediction."""
+
+    module: str
+    op: str
+    expected: tuple[int, ...]
+    actual: tuple[int, ...] | None  # None: the local trace failed before this op
+    detail: str = ""
+
+    def __str__(self) -> str:
+        where = self.module or "<root>"
+        if self.actual is None:
+            return f"the localized model fails in {where}: {self.detail}"
+        return (f"{where}: op {self.op} gives local shape {list(self.actual)}, the plan "
+                f"expects {list(self.expected)}")
+
+
+def _local_shapes(model: nn.Module, a: Analyzed, representative: Callable[[str], str]) -> dict[int, list[int]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    shapes: dict[int, list[int]] = {}
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        for alias in names[id(p)]:
+            lay = a.layouts.get(representative(alias))
+            if lay is not None:
+                shape[lay.dim] = lay.local
+                break
+        shapes[id(p)] = shape
+    return shapes
+
+
+def _shadow(model: nn.Module, shapes: dict[int, list[int]]) -> nn.Module:
+    """A copy of ``model`` on the meta device with local parameter shapes (no weights)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(shapes[id(p)], dtype=p.dtype, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+@contextmanager
+def _module_stack(model: nn.Module) -> Iterator[list[str]]:
+    """The FQNs of the modules running right now (innermost last)."""
+    stack: list[str] = []
+    handles = []
+    for name, mod in model.named_modules():
+        def pre(*_: Any, _name: str = name) -> None:
+            stack.append(_name)
+
+        def post(*_: Any) -> None:
+            if stack:
+                stack.pop()
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _model_frame(err: BaseException) -> str:
+    """The last line of model code (not torch's) on the way to ``err``."""
+    frames = traceback.extract_tb(err.__traceback__)
+    for f in reversed(frames):
+        if "/torch/" not in f.filename and "/tpcompile/" not in f.filename:
+            return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} `{(f.line or '').strip()}`"
+    return ""
+
+
+def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph) -> list[Mismatch]:
+    loc = Local(a)
+    want = [n for n in predicted.nodes if n.op == "call_function"]
+    got = [n for n in local.nodes if n.op == "call_function"]
+    if [n.target for n in want] != [n.target for n in got]:
+        return []  # the local code takes another path (a size-1 shortcut): only crashes count
+    out: list[Mismatch] = []
+    for w, g in zip(want, got, strict=True):
+        if not isinstance(a.an.value.get(w), Feat):
+            continue
+        gv = g.meta.get("val")
+        if not isinstance(gv, torch.Tensor):
+            continue
+        expected = tuple(loc.size(w, d) for d in range(a.an.ndim(w)))
+        if tuple(gv.shape) != expected:
+            out.append(Mismatch(innermost_module(w), str(getattr(w.target, "__name__", w.target)),
+                                expected, tuple(gv.shape)))
+    return out
+
+
+def check_local(
+    model: nn.Module,
+    a: Analyzed,
+    graph: fx.Graph,
+    fixups: Fixups,
+    *,
+    trace: Callable[[nn.Module], fx.Graph],
+    expand: Callable[[str], list[str]],
+    representative: Callable[[str], str],
+) -> list[Mismatch]:
+    """Trace rank 0's localized shadow of ``model`` with ``fixups`` applied; return every
+    op whose local shape disagrees with the analysis (empty: the plan is consistent)."""
+    shadow = _shadow(model, _local_shapes(model, a, representative))
+    mods = dict(shadow.named_modules())
+    for fqn, mod_name in a.embedding.items():  # the rewrite's own bookkeeping, rank 0's rows
+        lay = a.layouts[fqn]
+        start = int(lay.index[0][0])
+        for full in expand(mod_name):
+            if full in mods:
+                localize_embedding(mods[full], (start, start + lay.local), lay.local)
+    for name, changes in fixups.items():
+        for full in expand(name):
+            if full in mods:
+                apply_fixups(mods[full], changes)
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = torch_log.level
+    torch_log.setLevel(logging.CRITICAL)  # a failing trace is an answer here, not noise
+    try:
+        with _module_stack(shadow) as stack:
+            try:
+                local = trace(shadow)
+            except Exception as err:  # the localized model does not run: say where and why
+                where = stack[-1] if stack else ""
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                cause = err.__cause__ or err
+                line = _model_frame(cause)
+                detail = f"{first}" + (f" (at {line})" if line else "")
+                return [Mismatch(where, "", (), None, detail)]
+    finally:
+        torch_log.setLevel(level)
+    return _compare(a, graph, local)
+
+
+def resolve_fixups(
+    fixups: Fixups,
+    ambiguous: dict[str, dict[str, list[Any]]],
+    check: Callable[[Fixups], list[Mismatch]],
+) -> tuple[Fixups, list[Mismatch]]:
+    """Pick a local value for each ambiguous attribute so the local trace matches.
+
+    ``ambiguous[module][attr] = [global, [local candidates]]``.  The verified fix-ups go
+    first; assignments are tried with the fewest changed attributes first.
+    """
+    problems = check(fixups)
+    if not problems or not ambiguous:
+        return fixups, problems
+    slots = [(m, attr, glob, [glob, *locs]) for m, attrs in ambiguous.items()
+             for attr, (glob, locs) in attrs.items()]
+    options = sorted(itertools.product(*(s[3] for s in slots)),
+                     key=lambda combo: sum(v != s[2] for v, s in zip(combo, slots, strict=True)))
+    for combo in options[1:_MAX_TRIALS + 1]:  # the first is "change nothing": checked above
+        trial = {m: dict(c) for m, c in fixups.items()}
+        for (m, attr, glob, _), v in zip(slots, combo, strict=True):
+            if v != glob:
+                trial.setdefault(m, {})[attr] = [glob, v]
+        if not check(trial):
+            return trial, []
+    return fixups, problems
+
+
+def raise_mismatches(problems: list[Mismatch], model: nn.Module, tp: int) -> None:
+    if not problems:
+        return
+    listed = "; ".join(str(p) for p in problems[:3])
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    raise TPError(
+        f"tpcompile cannot split {type(model).__name__} over tp={tp} exactly: {listed}{more}. "
+        "A size the model code computes from a global attribute or literal could not be made "
+        "rank-local. Keep the module replicated with overrides={'re:<module>\\..*': 'replicated'}, "
+        "or try another tp."
+    )
