@@ -70,7 +70,7 @@ def _local_shapes(model: nn.Module, a: Analyzed, representative: Callable[[str],
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     shapes: dict[int, list[int]] = {}
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         shape = list(p.shape)
         for alias in names[id(p)]:
             lay = a.layouts.get(representative(alias))
