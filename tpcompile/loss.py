@@ -36,9 +36,19 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 
-__all__ = ["loss_parallel_causal_lm_loss", "vocab_parallel_cross_entropy"]
+__all__ = ["loss_parallel_causal_lm_loss", "vocab_parallel_ce_collectives", "vocab_parallel_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+# the per-token float32 rows of the second forward all-reduce (the first carries the max)
+_FUSED_STATS = ("sum_exp", "target", "owners")
+
+
+def vocab_parallel_ce_collectives() -> list[tuple[str, str, int]]:
+    """``(phase, torch.distributed op, float32 values per token)`` of each collective one
+    :func:`vocab_parallel_cross_entropy` call issues over a group of more than one rank:
+    the max, then the fused stats. Backward is local. ``tpcompile.cost`` prices these.
+    """
+    return [("forward", "all_reduce", 1), ("forward", "all_reduce", len(_FUSED_STATS))]
 
 
 # --------------------------------------------------------------------------- validation
@@ -126,7 +136,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         buf.exp_()
         # One fused all-reduce for S, z_t - m and the owner count (for label checks).
-        stats = torch.stack([buf.sum(dim=-1), target, owned.to(torch.float32)])
+        fused = {"sum_exp": buf.sum(dim=-1), "target": target, "owners": owned.to(torch.float32)}
+        stats = torch.stack([fused[k] for k in _FUSED_STATS])
         if world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         sum_exp, target, owners = stats.unbind(0)

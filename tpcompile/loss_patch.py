@@ -18,7 +18,7 @@ from .errors import TPError
 from .loss import loss_parallel_causal_lm_loss
 from .plan import Plan, Role
 
-__all__ = ["install_loss_parallel", "install_local_loss"]
+__all__ = ["install_local_loss", "install_loss_parallel", "is_causal_lm_loss"]
 
 
 def install_local_loss(model: nn.Module, plan: Plan, backend: Any) -> None:
@@ -31,7 +31,7 @@ def install_local_loss(model: nn.Module, plan: Plan, backend: Any) -> None:
     """
     heads = [p for p in plan.params.values() if p.role is Role.LM_HEAD]
     original = getattr(model, "loss_function", None)
-    if not heads or not _is_causal_lm_loss(original) or not hasattr(backend, "gathered"):
+    if not heads or not is_causal_lm_loss(original) or not hasattr(backend, "gathered"):
         return
     local_loss = _local_loss_function(heads[0], backend)
 
@@ -53,7 +53,7 @@ def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
             f"loss_parallel=True: {type(model).__name__} has no `loss_function` to route the loss "
             "through; compute the loss with tpcompile.loss.vocab_parallel_cross_entropy yourself"
         )
-    if not _is_causal_lm_loss(getattr(model, "loss_function", None)):
+    if not is_causal_lm_loss(getattr(model, "loss_function", None)):
         raise TPError(
             f"loss_parallel=True: {type(model).__name__}'s loss is not transformers' causal-LM loss "
             "(ForCausalLMLoss), which is the one tpcompile computes vocab-parallel; use loss_parallel=False"
@@ -61,8 +61,9 @@ def install_loss_parallel(model: nn.Module, plan: Plan, backend: Any) -> None:
     model.loss_function = _local_loss_function(heads[0], backend)
 
 
-def _is_causal_lm_loss(fn: Any) -> bool:
-    # transformers' shifted next-token cross-entropy, the only loss the shard-local CE mirrors
+def is_causal_lm_loss(fn: Any) -> bool:
+    """Is ``fn`` transformers' shifted next-token cross-entropy (``ForCausalLMLoss``), the
+    only loss the shard-local CE mirrors?"""
     return getattr(fn, "__name__", "") == "ForCausalLMLoss"
 
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import comm
 from ..plan import ModulePlan, ParamPlan, select_rows
+from .collectives import Hook, module_collectives
 
 __all__ = ["TorchBackend"]
 
@@ -129,11 +130,19 @@ class TorchBackend:
         the copies so every copy takes the same optimizer step.
         """
         group = self.group
+        replicas = replicas or {}
+        # the one description of what this module communicates (the cost model reads it too)
+        issued = module_collectives(mplan, replicas)
+        hooks = {c.hook for c in issued}
         replica_index = {
-            n: (torch.as_tensor(pp.index()[self.rank]), pp.global_shape[pp.shard_dim], pp.shard_dim)
-            for n, pp in (replicas or {}).items()
+            c.param: (torch.as_tensor(replicas[c.param].index()[self.rank]),
+                      replicas[c.param].global_shape[replicas[c.param].shard_dim], replicas[c.param].shard_dim)
+            for c in issued if c.hook is Hook.REPLICA_SUM
         }
-        grad_names = set(mplan.grad_allreduce)
+        grad_names = {c.param for c in issued if c.hook is Hook.GRAD_SUM}
+        enter, exit_reduce, exit_gather = Hook.ENTER in hooks, Hook.EXIT_REDUCE in hooks, Hook.EXIT_GATHER in hooks
+        if (vocab_range is not None) != (Hook.EMBED_REDUCE in hooks):
+            raise ValueError(f"{mplan.fqn}: a vocab range is given exactly for vocab-parallel embeddings")
         row_biases = mplan.row_biases
         state: dict[str, Any] = {}
 
@@ -161,7 +170,7 @@ class TorchBackend:
             for n in shadowed:
                 mod.__dict__[n] = mod._parameters[n]
             state["saved"], state["shadowed"] = saved, shadowed
-            if mplan.copy_inputs:
+            if enter:
                 args, kwargs = _map_tensors(args, self.copy_in), _map_tensors(kwargs, self.copy_in)
             if vocab_range is not None:
                 start, end = vocab_range
@@ -184,13 +193,13 @@ class TorchBackend:
                 mask = state.pop("mask")
                 out = out.masked_fill(mask.unsqueeze(-1), 0)
                 return comm.reduce_from_tp(out, group)
-            if mplan.reduce_output:
+            if exit_reduce:
                 def reduce(t: torch.Tensor) -> torch.Tensor:
                     return comm.reduce_from_tp(t, group) if t.is_floating_point() else t
                 out = _map_tensors(out, reduce)
                 for name in row_biases:
                     out = out + _local(saved[name])
-            if mplan.gather_output:
+            if exit_gather:
                 def gather(t: torch.Tensor) -> torch.Tensor:
                     full = comm.gather_from_tp(t, group, dim=-1)
                     full = full[..., : mplan.vocab_size] if mplan.vocab_size else full
