@@ -7,6 +7,10 @@ Every case runs over real gloo process groups; cases are batched inside one spaw
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +165,96 @@ def test_plain_dcp_reshards_across_layouts(tmp_path) -> None:
                     bad[key] = err
         assert not bad, bad
     assert len(got) == len(DCP_CASES) * 6
+
+
+# ---- transformers' own model.save_pretrained -------------------------------------------
+
+SAVE_CASES = [("llama", {}), ("gpt2", {}), ("gemma2", {}), ("llama", {"vocab_size": 255})]
+VOCAB_CASE = len(SAVE_CASES) - 1  # a vocabulary tp=2 does not divide: also resharded
+
+
+def _train(model: torch.nn.Module, steps: int = 2) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        model(IDS, labels=IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def _hf_save(rank: int, world: int, root: str) -> dict[str, list]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from tpcompile.errors import TPError
+
+    out: dict[str, list] = {}
+    for i, (name, ov) in enumerate(SAVE_CASES):
+        model = tpcompile.transform(_build(name, ov), tp=world)
+        _train(model)
+        d = Path(root) / f"hf{i}"
+        if rank == 0:  # a file the user keeps there, and a shard of an older, bigger save
+            d.mkdir(parents=True)
+            (d / "notes.txt").write_text("keep")
+            (d / "model-00099-of-00099.safetensors").write_text("stale")
+        dist.barrier()
+        model.save_pretrained(d, max_shard_size="40KB", is_main_process=rank == 0)
+        out[str(i)] = _logits(model).tolist()
+        if i == VOCAB_CASE:  # reshard the trained model: plain DCP at tp=2 -> FSDP-only dp=2
+            dcp.save(get_model_state_dict(model), checkpoint_id=f"{root}/vocab-dcp")
+            other = tpcompile.parallelize(_build(name, ov, seed=3), tp=1, dp_shard=world).eval()
+            sd = get_model_state_dict(other)
+            dcp.load(sd, checkpoint_id=f"{root}/vocab-dcp")
+            set_model_state_dict(other, sd)
+            out["vocab resharded"] = _logits(other).tolist()
+    fsdp = tpcompile.parallelize(_build("llama"), tp=1, dp_shard=world).eval()
+    fsdp.save_pretrained(Path(root) / "hf-fsdp")
+    out["fsdp"] = _logits(fsdp).tolist()
+    errors = []
+    for bad in ({"push_to_hub": True}, {"state_dict": {}}, {"safe_serialization": False},
+                {"variant": "v2"}, {"distributed_checkpoint": True}, {"save_function": print}):
+        with pytest.raises(TPError) as info:
+            model.save_pretrained(Path(root) / "refused", **bad)
+        errors.append(str(info.value))
+    out["errors"] = errors
+    return out
+
+
+_PLAIN_LOAD = """
+import sys, json, torch
+sys.modules["tpcompile"] = None  # prove the directories need no tpcompile
+from transformers import AutoModelForCausalLM
+ids = torch.tensor(json.loads(sys.argv[1]))
+out = []
+for d in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        out.append(model(ids).logits.tolist())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_model_save_pretrained_loads_with_plain_transformers(tmp_path: Path) -> None:
+    got = run_distributed(_hf_save, 2, str(tmp_path))[0]
+    dirs = [tmp_path / f"hf{i}" for i in range(len(SAVE_CASES))] + [tmp_path / "hf-fsdp"]
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, json.dumps(IDS.tolist()), *map(str, dirs)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "were not initialized" not in proc.stderr and "MISSING" not in proc.stderr, proc.stderr
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key, want in zip([*map(str, range(len(SAVE_CASES))), "fsdp"], loaded, strict=True):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(got["vocab resharded"]), torch.tensor(got[str(VOCAB_CASE)]),
+                               atol=1e-5, rtol=0)
+    for d in dirs[:-1]:
+        assert (d / "notes.txt").read_text() == "keep"
+        assert not (d / "model-00099-of-00099.safetensors").exists()
+        assert (d / "model.safetensors.index.json").exists()  # 40KB shards
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+    assert not (tmp_path / "refused").exists()
+    for needle, msg in zip(["push_to_hub", "state_dict", "safe_serialization", "variant",
+                            "distributed_checkpoint", "save_function"], got["errors"], strict=True):
+        assert needle in msg, msg

@@ -165,6 +165,9 @@ def parallelize(
         # are still the HF ones: load_hf_weights, hf_state_dict, save_pretrained and
         # the training checkpoints need one, and transform only builds it for tp > 1
         model.tpcompile_table = build_table(model, None)
+        from .checkpoint.hf_methods import bind_save_pretrained
+
+        bind_save_pretrained(model)  # transform binds it for tp > 1
     _check_wrap_classes(model, blocks, cfg.wrap_classes)
 
     # 2. activation checkpointing, then offloading, before FSDP so that FSDP's hooks end
