@@ -308,22 +308,26 @@ class _Recorder:
             h.remove()
 
 
-def _column_rows(module: str, plan: Any, rank: int) -> torch.Tensor | None:
-    """HF output features this rank's column-parallel ``module`` produces, if it is one."""
+def _sharded_rows(module: str, plan: Any, rank: int) -> dict[tuple[int, int], torch.Tensor]:
+    """``(global, local) size -> HF rows this rank holds`` for every sharded parameter
+    of ``module``: a column-parallel module's local output features are the rows of its
+    weight's shard dim (dim 0 of a Linear, dim 1 of GPT-2's Conv1D)."""
+    out: dict[tuple[int, int], torch.Tensor] = {}
     for pp in plan.params.values():
-        if pp.module == module and pp.shard_dim == 0 and pp.fqn.endswith("weight"):
-            index = pp.index()
-            return None if index is None else torch.as_tensor(index[rank])
-    return None
+        if pp.module == module and pp.shard_dim is not None and (index := pp.index()) is not None:
+            sizes = (pp.global_shape[pp.shard_dim], pp.local_shape[pp.shard_dim])
+            out.setdefault(sizes, torch.as_tensor(index[rank]))
+    return out
 
 
-def _forward_check(got: list[torch.Tensor], want: list[torch.Tensor], rows: torch.Tensor | None) -> Check | None:
+def _forward_check(got: list[torch.Tensor], want: list[torch.Tensor],
+                   rows_by_size: dict[tuple[int, int], torch.Tensor]) -> Check | None:
     """Module outputs call by call; column-parallel outputs compared on the features
     this rank holds.  ``None`` when nothing is comparable."""
     result: Check | None = None
     for g, w in zip(got, want, strict=False):
-        if g.shape != w.shape and rows is not None and g.shape[-1] == rows.numel() \
-                and g.shape[:-1] == w.shape[:-1]:
+        rows = rows_by_size.get((w.shape[-1], g.shape[-1])) if g.dim() and w.dim() else None
+        if g.shape != w.shape and rows is not None and g.shape[:-1] == w.shape[:-1]:
             keep = rows >= 0
             g, w = g[..., torch.nonzero(keep).flatten()], w[..., rows[keep]]
         if g.shape != w.shape:
@@ -408,7 +412,7 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
     plan = model.tpcompile_plan
     order = list(dict.fromkeys([*recorders[1].order, *names]))  # execution order first
     result["forward"] = {n: _forward_check(recorders[0].outputs[n], recorders[1].outputs[n],
-                                           _column_rows(n, plan, rank)) for n in order}
+                                           _sharded_rows(n, plan, rank)) for n in order}
     ref_params = dict(ref.named_parameters())
     grads: dict[str, Check] = dict.fromkeys(order, Check())
     for pname, p in model.named_parameters():
