@@ -148,6 +148,7 @@ class TorchBackend:
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             saved: dict[str, Any] = {}
+            state["saved"] = saved  # filled as we go: restore() undoes a partial swap too
             for name in swaps:
                 p = mod._parameters[name]
                 saved[name] = p
@@ -169,7 +170,7 @@ class TorchBackend:
             shadowed = {n: mod.__dict__[n] for n in saved if n in mod.__dict__}
             for n in shadowed:
                 mod.__dict__[n] = mod._parameters[n]
-            state["saved"], state["shadowed"] = saved, shadowed
+            state["shadowed"] = shadowed
             if enter:
                 args, kwargs = _map_tensors(args, self.copy_in), _map_tensors(kwargs, self.copy_in)
             if vocab_range is not None:
@@ -185,10 +186,7 @@ class TorchBackend:
             return args, kwargs
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            saved = state.pop("saved", {})
-            for name, p in saved.items():
-                mod._parameters[name] = p
-            mod.__dict__.update(state.pop("shadowed", {}))
+            saved = state.get("saved", {})
             if vocab_range is not None:
                 mask = state.pop("mask")
                 out = out.masked_fill(mask.unsqueeze(-1), 0)
@@ -208,8 +206,17 @@ class TorchBackend:
                 out = _map_tensors(out, gather)
             return out
 
+        def restore(mod: nn.Module, args: tuple, out: Any) -> None:
+            # always_call: also when the forward (or ``post``) raised, so an exception
+            # never leaves local tensors or zeroed row biases in place of the parameters
+            for name, p in state.pop("saved", {}).items():
+                mod._parameters[name] = p
+            mod.__dict__.update(state.pop("shadowed", {}))
+            state.pop("mask", None)
+
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True)
+        module.register_forward_hook(restore, always_call=True)  # after post: it reads "saved"
 
 
 class _ReplicaGradSum(torch.autograd.Function):
