@@ -13,7 +13,6 @@ and greedy ``generate`` tokens where the model generates.
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from .errors import TPError
+from .inputs import example_inputs
 from .launch import WorkerFailed, spawn_local
 from .shrink import shrink_config
 
@@ -191,33 +191,9 @@ def build_small_model(config: PreTrainedConfig, *, tp: int, layers: int = 2, tas
 
 
 def _inputs(model: nn.Module, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """One batch built from the model: its main input, labels where it takes them."""
-    config = model.config
-    name = getattr(model, "main_input_name", "input_ids")
-    params = inspect.signature(model.forward).parameters
-    vocab = getattr(config, "vocab_size", None) or 2
-    if name == "input_ids":
-        main = torch.randint(0, vocab, (_BATCH, _SEQ), generator=gen)
-    elif name == "pixel_values":
-        size = config.image_size
-        shape = (size, size) if isinstance(size, int) else tuple(size)
-        main = torch.randn((_BATCH, config.num_channels, *shape), generator=gen)
-    elif name == "input_features":
-        main = torch.randn((_BATCH, config.num_mel_bins, 2 * config.max_source_positions), generator=gen)
-    else:
-        raise TPError(f"verify cannot build a {name!r} input for {type(model).__name__} yet")
-    batch = {name: main}
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        # given explicitly: default configs may lack the decoder start token labels need
-        decoder = torch.randint(0, vocab, (_BATCH, _SEQ // 2), generator=gen)
-        start = getattr(config, "decoder_start_token_id", None)
-        decoder[:, 0] = start if isinstance(start, int) else 0
-        batch["decoder_input_ids"] = decoder
-        if "labels" in params:
-            batch["labels"] = torch.randint(0, vocab, decoder.shape, generator=gen)
-    elif "labels" in params and name == "input_ids" and vocab > 2:
-        batch["labels"] = main.clone()
-    return batch
+    """One random batch built from the model itself (main input, decoder inputs,
+    labels where the forward takes them): the same builder capture uses."""
+    return example_inputs(model, batch=_BATCH, seq=_SEQ, generator=gen, labels=True)
 
 
 def _output_tensors(out: Any) -> dict[str, torch.Tensor]:
