@@ -114,7 +114,35 @@ def _child(rank: int, world: int, layout: str, out: str) -> dict:
     resumed = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()])
     resumed.train(resume_from_checkpoint=f"{out}/run/checkpoint-2")
     result["resumed"] = _logged(resumed, since=2)
+    if layout == "tp":
+        result["accelerate"] = _accelerate_loop(_parallel(_model(), layout))
     return result
+
+
+def _accelerate_loop(model: torch.nn.Module) -> list[tuple[float, float]]:
+    """A custom accelerate loop (``tpcompile.integrations.prepare``); without a model, the
+    single-process reference: the same loop on the whole global batch, no accelerate."""
+    data = torch.utils.data.DataLoader(_Tokens().ids, batch_size=GLOBAL_BATCH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if hasattr(model, "tpcompile_mesh"):
+        from accelerate import Accelerator
+
+        from tpcompile.integrations import prepare
+
+        accelerator = Accelerator(cpu=True)
+        model, opt, data = prepare(accelerator, model, opt, data)
+        backward, clip = accelerator.backward, accelerator.clip_grad_norm_
+    else:
+        backward, clip = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_
+    out = []
+    for ids, _ in zip(data, range(STEPS), strict=False):
+        loss = model(input_ids=ids, labels=ids).loss
+        backward(loss)
+        norm = clip(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), float(norm)))
+    return out
 
 
 def _check(results: list[dict], world: int) -> None:
@@ -138,6 +166,11 @@ def test_trainer_tp2_world2(tmp_path: Path) -> None:
     results = run_distributed(_child, 2, "tp", str(tmp_path))
     _check(results, 2)
     assert all("TPTrainerCallback" in r["guard"] for r in results), [r.get("guard") for r in results]
+    reference = _accelerate_loop(_model())
+    for res in results:
+        assert len(res["accelerate"]) == STEPS
+        for got, want in zip(res["accelerate"], reference, strict=True):
+            assert got == pytest.approx(want, rel=REL), (res["accelerate"], reference)
 
 
 @pytest.mark.slow
