@@ -132,7 +132,8 @@ def test_dump_plan_json_is_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     main(["dump-plan", "llama", "--tp", "2", "--layers", "2", "--format", "json"])
     out = capsys.readouterr().out
     assert out.endswith("\n") and not out.endswith("\n\n")
-    got = Plan.from_json(out)
+    got = Plan.from_json(out)  # the derived "cost" section is not part of the Plan
+    assert set(json.loads(out)["cost"]["per_step"]) == {"forward", "backward"}
     want = plan_model(presets.build_meta_model("llama", num_hidden_layers=2), 2)
     got.stats = want.stats = {}  # timings differ run to run
     assert got.to_json(indent=2) == want.to_json(indent=2)
@@ -144,8 +145,14 @@ def test_dump_plan_table_llama(capsys: pytest.CaptureFixture[str]) -> None:
     assert "model.layers.{0..31}.self_attn.q_proj.weight" in out
     assert "column" in out and "row" in out
     assert "[4096, 4096] → [512, 4096]" in out
-    # o_proj and down_proj reduce forward; q, k, v, gate, up reduce input grads backward.
-    assert "per block: fwd 2 all-reduce, bwd 5 all-reduce" in out
+    # o_proj and down_proj reduce forward; q|k|v and gate|up share one input all-reduce each.
+    assert "per block: fwd 2 all-reduce, bwd 2 all-reduce" in out
+    assert "(input all-reduce shared with k_proj, v_proj)" in out
+    # the last line sums one step: 32 blocks x 2 + LM head backward, embedding + rows + loss forward
+    summary = out.rstrip().splitlines()[-1]
+    assert summary.startswith("per step (bytes per token")
+    assert "fwd 67 all_reduce" in summary and "1 all_gather" in summary and "bwd 65 all_reduce" in summary
+    assert "memory per rank" in summary and "activations need --batch/--seq" in summary
     assert "tp: 8" in out and "parameters per rank:" in out
     # Llama-3-8B in bf16 over 8 ranks: about 2.0e9 bytes each.
     per_rank = int(out.split("parameters per rank:")[1].split("(")[1].split(" bytes")[0]
@@ -153,6 +160,29 @@ def test_dump_plan_table_llama(capsys: pytest.CaptureFixture[str]) -> None:
     assert 1.9e9 < per_rank < 2.1e9
     # Every layer collapsed: no row names a single layer.
     assert "model.layers.0." not in out
+
+
+def test_dump_plan_cost_section(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _dump_json(capsys, "llama", "--tp", "2", "--layers", "2", "--dp-shard", "2", "--batch", "2",
+                      "--seq", "16")
+    cost = plan["cost"]
+    assert (cost["tp"], cost["dp_shard"], cost["tokens"]) == (2, 2, 32)
+    for phase in ("forward", "backward"):
+        assert set(cost["per_step"][phase]) == {"all_reduce", "all_gather", "all_gather_into_tensor",
+                                                "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
+        assert all(set(v) == {"count", "bytes"} for v in cost["per_step"][phase].values())
+    fwd, bwd = cost["per_step"]["forward"], cost["per_step"]["backward"]
+    assert (fwd["all_reduce"]["count"], fwd["all_gather"]["count"], bwd["all_reduce"]["count"]) == (7, 1, 5)
+    # FSDP2 units: 2 blocks + root, each gathered forward and backward, reduce-scattered backward
+    assert fwd["all_gather_into_tensor"]["count"] == 3 and bwd["reduce_scatter_tensor"]["count"] == 3
+    mem = cost["memory_per_rank"]
+    assert mem["total"] == mem["parameters"] + mem["gradients"] + mem["adamw_states"] + mem["activations"]
+    assert mem["activations"] > 0
+
+
+def test_dump_plan_cost_needs_batch_and_seq(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump-plan", "llama", "--tp", "2", "--layers", "1", "--batch", "2"]) == 2
+    assert "both batch and seq" in capsys.readouterr().err
 
 
 def test_dump_plan_table_tied_counted_once(capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,7 +244,8 @@ def test_cli_surface_frozen() -> None:
     subs = _subcommands(build_parser())
     assert set(subs) == {"dump-plan", "demo", "translate", "verify"}
     flags = {s for a in subs["dump-plan"]._actions for s in a.option_strings}
-    assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table"}
+    assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table", "--dp-shard",
+                     "--batch", "--seq"}
     tr_flags = {s for a in subs["translate"]._actions for s in a.option_strings}
     assert tr_flags == {"-h", "--help", "--dtype", "--max-shard-size", "--overwrite", "--quiet"}
     positionals = [a.dest for a in subs["dump-plan"]._actions if not a.option_strings]

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from .errors import TPError
-from .plan import ModulePlan, Plan
+from .plan import Plan
 
 __all__ = ["build_parser", "main"]
 
@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--layers", type=_positive_int, help="override the number of layers")
     dump.add_argument("--table", action="store_true",
                       help="print the HF <-> per-rank translation table instead of the plan")
+    dump.add_argument("--dp-shard", type=_positive_int, default=1,
+                      help="FSDP2 shard degree on top of --tp, for the cost section (default 1: no FSDP)")
+    dump.add_argument("--batch", type=_positive_int, help="sequences per step per rank, for the cost section")
+    dump.add_argument("--seq", type=_positive_int, help="sequence length, for the cost section")
     dump.set_defaults(handler=_cmd_dump_plan)
 
     tr = sub.add_parser(
@@ -218,12 +222,18 @@ def _cmd_dump_plan(args: argparse.Namespace) -> int:
         table = build_table(model, plan)
         _write(table.to_json(indent=2) if args.format == "json" else _render_translation(table))
         return _EXIT_OK
+    from .cost import estimate_cost
+
+    try:  # what one training step costs per rank (collectives as executed, memory)
+        cost = estimate_cost(model, plan, batch=args.batch, seq=args.seq, dp_shard=args.dp_shard)
+    except TPError as exc:
+        return _fail(str(exc))
     if args.format == "json":
-        print(plan.to_json(indent=2))
+        print(json.dumps({**plan.to_dict(), "cost": cost}, indent=2))
         return _EXIT_OK
     timing = {"build_s": t_built - t0, "plan_s": t_planned - t_built}
     dtypes = {name: p.dtype.itemsize for name, p in model.named_parameters(remove_duplicate=False)}
-    text = _render_table(plan, dtypes, timing, start=t0)
+    text = _render_table(plan, dtypes, timing, start=t0, cost=cost)
     _write(text)
     return _EXIT_OK
 
@@ -360,63 +370,14 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
     return rows, total
 
 
-def _module_collectives(mp: ModulePlan) -> tuple[int, int, int]:
-    """(forward all-reduces, forward all-gathers, backward all-reduces) of one module."""
-    fwd_reduce = int(mp.reduce_output) + int(mp.vocab_parallel)
-    fwd_gather = int(mp.gather_output)
-    bwd_reduce = int(mp.copy_inputs) + len(mp.grad_allreduce)
-    return fwd_reduce, fwd_gather, bwd_reduce
-
-
-def _describe(counts: tuple[int, int, int]) -> str:
-    fwd_reduce, fwd_gather, bwd_reduce = counts
-    fwd = [f"{fwd_reduce} all-reduce"] if fwd_reduce else []
-    fwd += [f"{fwd_gather} all-gather"] if fwd_gather else []
-    bwd = f"{bwd_reduce} all-reduce" if bwd_reduce else "none"
-    return f"fwd {', '.join(fwd) or 'none'}; bwd {bwd}"
-
-
-def _add(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
-
-
-def _module_section(plan: Plan) -> tuple[list[str], tuple[int, int, int]]:
-    """Collectives per (collapsed) module, the per-block summary and whole-model totals."""
-    # Model order (that of plan.params), not plan.modules' alphabetical order.
-    order: dict[str, int] = {}
-    for p in plan.params.values():
-        order.setdefault(p.module, len(order))
-    fqns = sorted(plan.modules, key=lambda f: (order.get(f, len(order)), f))
-    active = {f: _module_collectives(plan.modules[f]) for f in fqns}
-    active = {f: c for f, c in active.items() if any(c)}
-    lines = [f"{g.label()}: {_describe(active[g.first])}"
-             for g in _collapse(active.items())]
-    total = (0, 0, 0)
-    blocks: dict[str, tuple[int, int, int]] = {}
-    for fqn, counts in active.items():
-        total = _add(total, counts)
-        skeleton, index = _split_index(fqn)
-        if index is not None:
-            block = fqn[: skeleton.index("{}")] + str(index)
-            blocks[block] = _add(blocks.get(block, (0, 0, 0)), counts)
-    if blocks:
-        block, counts = next(iter(sorted(blocks.items(), key=lambda kv: _split_index(kv[0])[1])))
-        summary = f"per block: fwd {counts[0]} all-reduce, bwd {counts[2]} all-reduce"
-        if counts[1]:
-            summary += f", fwd {counts[1]} all-gather"
-        lines.append(f"{summary}   (e.g. {block}; {len(blocks)} blocks)")
-    return lines, total
-
-
 def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], *,
-                  start: float) -> str:
+                  start: float, cost: dict[str, Any]) -> str:
+    from .cost import render_modules, render_summary
+
     rows, total_bytes = _param_rows(plan, dtypes)
     header = ["parameter", "role", "global → per-rank shape", "layout", "per-rank bytes"]
     out = [f"{plan.model_class} at tp={plan.tp}", "", *_table(header, rows), ""]
-    module_lines, totals = _module_section(plan)
-    out += ["collectives (per module forward / backward):", *[f"  {x}" for x in module_lines]]
-    out.append(f"  whole model per step: fwd {totals[0]} all-reduce, {totals[1]} all-gather; "
-               f"bwd {totals[2]} all-reduce")
+    out += ["collectives (per module call, as executed):", *[f"  {x}" for x in render_modules(cost, plan.blocks)]]
     stats = plan.stats
     out += [
         "",
@@ -425,6 +386,7 @@ def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], 
         f"time: build (incl. imports) {timing['build_s']:.2f} s, capture {stats.get('capture_s', 0.0):.2f} s, "
         f"analysis {stats.get('analysis_s', 0.0):.2f} s, "
         f"total {time.perf_counter() - start:.2f} s",
+        render_summary(cost),
     ]
     return "\n".join(out)
 

@@ -162,7 +162,8 @@ class Plan:
             raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
         params = {k: ParamPlan(**{**v, "role": Role(v["role"])}) for k, v in d["params"].items()}
         modules = {k: ModulePlan(**v) for k, v in d["modules"].items()}
-        rest = {k: v for k, v in d.items() if k not in ("params", "modules")}
+        # "cost" (dump-plan's derived section, tpcompile.cost) is recomputed, not stored
+        rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost")}
         return cls(params=params, modules=modules, **rest)
 
     @classmethod
