@@ -1,7 +1,9 @@
 """Training checkpoints (sharded / local / full / async) over real gloo process groups.
 
 A tiny Llama trains two AdamW steps at (dp_shard 2, tp 2) and is saved in every kind;
-resumed at other layouts, the next step's loss must equal an uninterrupted run's.
+resumed at other layouts, the next two steps' losses must equal an uninterrupted run's
+(the second one is computed after a resumed AdamW step, so it checks the optimizer state:
+a lost or misplaced ``exp_avg`` would pass the first one).
 """
 
 from __future__ import annotations
@@ -38,17 +40,23 @@ def _batches() -> list[torch.Tensor]:
 def _uninterrupted() -> tuple[float, ...]:
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    return tuple(global_step(model, opt, ids) for ids in _batches())
+    return tuple(global_step(model, opt, ids) for ids in _after_resume(_batches()))
 
 
-def _resumed(root: Path, name: str, **layout: int) -> float:
+def _after_resume(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    # the run's 3 batches, then batch 0 again: its loss follows a step on restored state
+    return [*batches, batches[0]]
+
+
+def _resumed(root: Path, name: str, **layout: int) -> tuple[float, float]:
     model = _build()
     if layout:
         tpcompile.parallelize(model, **layout)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     extra = ckpt.load(root / name, model, opt)
     assert extra == {"step": 2}, extra
-    return global_step(model, opt, _batches()[2])
+    batches = _after_resume(_batches())
+    return global_step(model, opt, batches[2]), global_step(model, opt, batches[3])
 
 
 def _world4(rank: int, world: int, root: str) -> dict:
@@ -76,6 +84,15 @@ def _world4(rank: int, world: int, root: str) -> dict:
         "local@same": _resumed(root, "local", tp=2, dp_shard=2),
         "full@tp4": _resumed(root, "full", tp=4, dp_shard=1),
     }
+    # async-save mirrors are found by layout, not id(mesh) (a dead mesh's id can be reused)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpcompile.checkpoint.training import _mesh_key
+
+    names = ("dp_replicate", "dp_shard", "tp")
+    a, b = (init_device_mesh("cpu", s, mesh_dim_names=names) for s in ((1, 2, 2), (1, 1, 4)))
+    out["mesh_keys"] = [_mesh_key(a) != _mesh_key(b),
+                        _mesh_key(a) == _mesh_key(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=names))]
     try:
         _resumed(root, "local", tp=4, dp_shard=1)
         out["local_error"] = None
@@ -95,16 +112,18 @@ def test_checkpoints_resume_at_other_layouts(tmp_path: Path) -> None:
     results = run_distributed(_world4, 4, str(tmp_path))
     first = results[0]
     torch.testing.assert_close(torch.tensor(first["before"]), torch.tensor(want[:2]), rtol=REL, atol=0)
+    assert abs(want[3] - want[0]) > 1e-3  # the extra step is a real training step
     assert first["after"] == pytest.approx(want[2], rel=REL)
     for r in results:
         for case, loss in r["resumed"].items():
-            assert loss == pytest.approx(want[2], rel=REL), case
+            assert loss == pytest.approx(want[2:], rel=REL), case
+        assert r["mesh_keys"] == [True, True]
         assert "tp" in r["local_error"] and "'tp': 4" in r["local_error"] and "'tp': 2" in r["local_error"]
     for case, loss in run_distributed(_world2, 2, str(tmp_path))[0].items():
-        assert loss == pytest.approx(want[2], rel=REL), case
+        assert loss == pytest.approx(want[2:], rel=REL), case
     assert ckpt.latest(tmp_path / "async") == tmp_path / "async" / "step-00000002"
     # single process, plain untransformed model, no process group
-    assert _resumed(tmp_path, "sharded") == pytest.approx(want[2], rel=REL)
+    assert _resumed(tmp_path, "sharded") == pytest.approx(want[2:], rel=REL)
     # translate: sharded and local checkpoints become HF directories of the saved weights
     from transformers import AutoModelForCausalLM
 

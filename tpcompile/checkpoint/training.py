@@ -161,7 +161,14 @@ def _layout(model: nn.Module) -> dict[str, Any]:
 
 
 _world_meshes: dict[Any, DeviceMesh] = {}
-_mirrors: dict[int, DeviceMesh] = {}
+# keyed by what a mirror must match (device, shape, dim names, ranks), never by id(mesh):
+# after a mesh is garbage-collected a new one may reuse its id with another layout
+_mirrors: dict[tuple, DeviceMesh] = {}
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    return (mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
+            tuple(mesh.mesh.flatten().tolist()))
 
 
 def _chunk(full: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -225,7 +232,7 @@ class _Meshes:
         self.mirrored = mirror and self.root is not None
         self.world_group: Any = _background_group() if mirror else None
         if self.mirrored:
-            key = id(self.root)
+            key = _mesh_key(self.root)
             if key not in _mirrors:  # created once per mesh, by every rank, in step
                 from torch.distributed.device_mesh import init_device_mesh
 
