@@ -227,8 +227,14 @@ def sdpa(an: Analysis, node: torch.fx.Node) -> object:
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, torch.fx.Node) and an.ndim(mask) == 4 and an.shape(mask)[1] > 1:
         mv = an.val(mask)
-        operand = mv if isinstance(mv, ParamRef) else mask
-        an.aligned.append(Aligned(node, operand, q_head, an.shape(mask), mask in an.tainted))
+        if isinstance(mv, Feat):  # a per-head bias computed from sharded features (T5, ALiBi)
+            m_head = an.union_along(an.union_along(an.aligned_to(mv.atoms, 4), [3]), [2])
+            an.union(m_head, q_head)
+        elif isinstance(mv, Partial):
+            an.reduce_partials(node)
+        else:
+            operand = mv if isinstance(mv, ParamRef) else mask
+            an.aligned.append(Aligned(node, operand, q_head, an.shape(mask), mask in an.tainted))
     if out is None:
         an.poison_node(node, "attention with sharded queries but replicated values", *vals)
         return None

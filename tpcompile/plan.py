@@ -102,6 +102,10 @@ class ParamPlan:
     layout: str = "replicated"  # contiguous | fused | kv_replicated | padded | replicated
     runs: list[list[list[int]]] | None = None
     tied_to: list[str] = field(default_factory=list)
+    # the module whose forward uses the parameter, when that is an ancestor of its owner
+    # (Mamba's mixer calls conv1d(x, self.conv1d.weight)): its local tensor is swapped in
+    # for that module's whole forward; ``None``: the owner
+    scope: str | None = None
 
     def index(self) -> np.ndarray | None:
         return None if self.runs is None else runs_to_index(self.runs)

@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .analysis.fixups import apply_fixups
+from .analysis.propagate import innermost_module
 from .analysis.roles import Analyzed
 from .capture import Capture
 from .errors import TPError
@@ -68,11 +70,13 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             if owner != m:
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
             rep_modules[m].setdefault("row_biases", []).append(pname)
-    for fqn, m in a.embedding.items():
-        rep_modules[m]["vocab_parallel"] = True
-        rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+    for fqn, users in a.embedding.items():
+        for m in users:
+            rep_modules[m]["vocab_parallel"] = True
+            rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
 
     encoded: dict[str, tuple[str, list]] = {}
+    scopes = _use_scopes(cap)
     for name, p in model.named_parameters():
         rep = cap.stacks.representative(name)
         aliases = [n for n in names_of[id(p)] if n != name]
@@ -103,6 +107,10 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             fqn=name, role=role, module=owner, global_shape=list(p.shape), local_shape=local,
             shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases,
         )
+    for name, pp in plan.params.items():
+        up = scopes.get(cap.stacks.representative(name))
+        if up:  # same number of levels above the owner in every block of a stack
+            pp.scope = ".".join(name.split(".")[:-1 - up])
     for mname, _ in model.named_modules():
         rep = cap.stacks.representative(mname)
         if rep in rep_modules:
@@ -116,10 +124,27 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     return plan
 
 
+def _use_scopes(cap: Capture) -> dict[str, int]:
+    """``{param fqn: levels}`` for parameters that code of an ancestor of their owner reads
+    directly: how many levels above the owner the outermost such reader sits."""
+    out: dict[str, int] = {}
+    for node in cap.graph.nodes:
+        fqn = cap.param_of_placeholder.get(node.name) if node.op == "placeholder" else None
+        if fqn is None:
+            continue
+        owner = fqn.split(".")[:-1]
+        for user in node.users:
+            path = innermost_module(user).split(".") if innermost_module(user) else []
+            if len(path) < len(owner) and owner[: len(path)] == path:
+                out[fqn] = max(out.get(fqn, 0), len(owner) - len(path))
+    return out
+
+
 def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     """Shard parameters and install hooks per ``plan`` (in place)."""
     mods = dict(model.named_modules())
     swaps: dict[str, list[str]] = defaultdict(list)
+    scoped: dict[str, list[str]] = defaultdict(list)  # module -> descendants' param paths
     done: dict[int, nn.Parameter] = {}
     for name, pp in plan.params.items():
         mname, pname = _owner(name)
@@ -135,8 +160,12 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
         for alias in [name, *pp.tied_to]:
             am, ap = _owner(alias)
             mods[am]._parameters[ap] = new
-            swaps[am].append(ap)
+            if alias == name and pp.scope is not None:
+                scoped[pp.scope].append(name[len(pp.scope) + 1:] if pp.scope else name)
+            else:
+                swaps[am].append(ap)
         del old
+    by_alias = {alias: pp for pp in plan.params.values() for alias in [pp.fqn, *pp.tied_to]}
     hooked = [m for m, mp in plan.modules.items()
               if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output]
     for mname in dict.fromkeys([*swaps, *hooked]):
@@ -144,13 +173,15 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
         mp = plan.modules.get(mname) or ModulePlan(fqn=mname)
         vocab_range = None
         if mp.vocab_parallel:
-            emb = next(plan.params[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in plan.params)
+            emb = next(by_alias[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in by_alias)
             runs = emb.runs[backend.rank]
             vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])
             localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
-        replicas = {n: plan.params[f"{mname}.{n}"] for n in names
-                    if plan.params.get(f"{mname}.{n}") and plan.params[f"{mname}.{n}"].layout == "kv_replicated"}
+        replicas = {n: by_alias[f"{mname}.{n}"] for n in names
+                    if f"{mname}.{n}" in by_alias and by_alias[f"{mname}.{n}"].layout == "kv_replicated"}
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
+    for mname, paths in scoped.items():
+        _install_scoped_swap(mods[mname], paths)
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
@@ -168,6 +199,28 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
         model.register_forward_hook(lambda *_: backend.reset())
     model.tpcompile_plan = plan
     return model
+
+
+def _install_scoped_swap(module: nn.Module, paths: list[str]) -> None:
+    """For ``module``'s whole forward, its descendants' parameters at ``paths`` are their
+    local tensors (the code reads them directly, outside the owner's forward)."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        for path in paths:
+            owner, _, leaf = path.rpartition(".")
+            sub = mod.get_submodule(owner) if owner else mod
+            p = sub._parameters[leaf]
+            saved.append((sub, leaf, p))
+            sub._parameters[leaf] = p.to_local() if isinstance(p, DTensor) else p
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        while saved:  # always_call: restored even when the forward raised
+            sub, leaf, p = saved.pop()
+            sub._parameters[leaf] = p
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
 
 
 def localize_embedding(module: nn.Module, vocab_range: tuple[int, int], local_rows: int) -> None:

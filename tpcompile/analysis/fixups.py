@@ -16,6 +16,7 @@ left alone.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +30,7 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["Local", "apply_fixups", "find_fixups", "verify_fixups"]
+__all__ = ["Local", "apply_fixups", "find_fixups", "quiet_traces", "verify_fixups"]
 
 aten = torch.ops.aten
 _CONV = (aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution, aten._convolution)
@@ -202,6 +203,18 @@ def apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:
 
 
 @contextlib.contextmanager
+def quiet_traces() -> Iterator[None]:
+    """Silence torch's fake-tensor error log: a trace that fails is an answer here."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
 def _patched(module: nn.Module, attr: str, local: int) -> Iterator[None]:
     saved = dict(vars(module))
     try:
@@ -222,17 +235,29 @@ def verify_fixups(
     baseline: fx.Graph,
     retrace: Callable[[], fx.Graph],
 ) -> dict[str, dict[str, list[int]]]:
-    """Keep the candidates whose local value changes (or breaks) the traced graph."""
+    """Keep the candidates whose local value changes (or breaks) the traced graph.
+
+    One retrace per module class and distinct ``(attribute, global, local)``, set in
+    every such module at once: modules of one class run the same code, so a size either
+    reaches a shape in all of them or in none (T5: 7 retraces instead of 30)."""
     want = _signature(baseline)
     mods = dict(model.named_modules())
-    kept: dict[str, dict[str, list[int]]] = {}
+    groups: dict[tuple[str, str, int, int], list[str]] = defaultdict(list)
     for mod_name, changes in fixups.items():
+        cls = type(mods[mod_name]).__qualname__
         for attr, (glob, local) in changes.items():
-            with _patched(mods[mod_name], attr, local):
-                try:
-                    matters = _signature(retrace()) != want
-                except Exception:  # the new value reaches a shape and breaks the trace
-                    matters = True
-            if matters:
-                kept.setdefault(mod_name, {})[attr] = [glob, local]
+            groups[(cls, attr, glob, local)].append(mod_name)
+    kept: dict[str, dict[str, list[int]]] = {}
+    for (_, attr, glob, local), names in groups.items():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(quiet_traces())
+            for name in names:
+                stack.enter_context(_patched(mods[name], attr, local))
+            try:
+                matters = _signature(retrace()) != want
+            except Exception:  # the new value reaches a shape and breaks the trace
+                matters = True
+        if matters:
+            for name in names:
+                kept.setdefault(name, {})[attr] = [glob, local]
     return kept

@@ -30,7 +30,7 @@ class Analyzed:
     layouts: dict[str, BlockLayout]  # fqn -> its one sharded dim
     column: dict[str, str]  # fqn -> module running the op
     row: dict[str, tuple[str, str | None]]  # fqn -> (module, bias fqn)
-    embedding: dict[str, str]
+    embedding: dict[str, list[str]]  # fqn -> every module looking it up
     lm_head: dict[str, str]
     grad_allreduce: set[str] = field(default_factory=set)
     forced: set = field(default_factory=set)  # fqns (overrides) and (fqn, dim) blocks
@@ -234,7 +234,9 @@ def _assign(a: Analyzed, outputs: np.ndarray) -> None:
             a.row[r.fqn] = (r.module, r.bias)
     for e in an.embeddings:
         if e.fqn in a.layouts:
-            a.embedding[e.fqn] = e.module
+            a.embedding.setdefault(e.fqn, [])
+            if e.module not in a.embedding[e.fqn]:  # a shared table looked up by several modules
+                a.embedding[e.fqn].append(e.module)
     for fqn in list(a.grad_allreduce):
         if fqn in a.layouts:
             a.grad_allreduce.discard(fqn)

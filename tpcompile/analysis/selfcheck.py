@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from torch import nn
 
 from ..errors import TPError
 from ..rewrite import localize_embedding
-from .fixups import Local, apply_fixups
+from .fixups import Local, apply_fixups, quiet_traces
 from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
@@ -157,20 +156,17 @@ def check_local(
     op whose local shape disagrees with the analysis (empty: the plan is consistent)."""
     shadow = _shadow(model, _local_shapes(model, a, representative))
     mods = dict(shadow.named_modules())
-    for fqn, mod_name in a.embedding.items():  # the rewrite's own bookkeeping, rank 0's rows
+    for fqn, users in a.embedding.items():  # the rewrite's own bookkeeping, rank 0's rows
         lay = a.layouts[fqn]
         start = int(lay.index[0][0])
-        for full in expand(mod_name):
+        for full in (f for m in users for f in expand(m)):
             if full in mods:
                 localize_embedding(mods[full], (start, start + lay.local), lay.local)
     for name, changes in fixups.items():
         for full in expand(name):
             if full in mods:
                 apply_fixups(mods[full], changes)
-    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = torch_log.level
-    torch_log.setLevel(logging.CRITICAL)  # a failing trace is an answer here, not noise
-    try:
+    with quiet_traces():
         with _module_stack(shadow) as stack:
             try:
                 local = trace(shadow)
@@ -181,8 +177,6 @@ def check_local(
                 line = _model_frame(cause)
                 detail = f"{first}" + (f" (at {line})" if line else "")
                 return [Mismatch(where, "", (), None, detail)]
-    finally:
-        torch_log.setLevel(level)
     return _compare(a, graph, local)
 
 
