@@ -116,6 +116,13 @@ def _child(rank: int, world: int, layout: str, out: str) -> dict:
     result["resumed"] = _logged(resumed, since=2)
     if layout == "tp":
         result["accelerate"] = _accelerate_loop(_parallel(_model(), layout))
+    else:  # transform alone has no data parallelism: refused in a world larger than tp
+        from tpcompile.integrations import data_mesh
+
+        try:
+            data_mesh(tpcompile.transform(_model(), tp=2))
+        except tpcompile.TPError as err:
+            result["dp_refused"] = str(err)
     return result
 
 
@@ -175,4 +182,6 @@ def test_trainer_tp2_world2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_trainer_dp2_tp2_world4(tmp_path: Path) -> None:
-    _check(run_distributed(_child, 4, "fsdp", str(tmp_path)), 4)
+    results = run_distributed(_child, 4, "fsdp", str(tmp_path))
+    _check(results, 4)
+    assert all("parallelize" in r["dp_refused"] for r in results), [r.get("dp_refused") for r in results]
