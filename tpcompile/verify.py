@@ -379,10 +379,16 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
         _inject_fault(model, opts["fault"], rank, world)
     result["warnings"] = list(model.tpcompile_plan.warnings)
     recorders = [_Recorder(m, names) for m in (model, ref)]
-    outs = [m(**batch) for m in (model, ref)]
-    losses = [_loss(o) for o in outs]
-    for loss in losses:
-        loss.backward()
+    outs: dict[str, Any] = {}
+    for who, m in (("the unsharded model", ref), ("the transformed model", model)):
+        try:
+            outs[who] = m(**batch)
+            _loss(outs[who]).backward()
+        except Exception as exc:  # a crash is a finding, reported like a mismatch
+            result["error"] = f"forward/backward of {who} failed: {type(exc).__name__}: {exc}"
+            return result
+    outs_tp_ref = (outs["the transformed model"], outs["the unsharded model"])
+    losses = [_loss(o) for o in outs_tp_ref]
     for r in recorders:
         r.remove()
     plan = model.tpcompile_plan
@@ -390,13 +396,13 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
     result["forward"] = {n: _forward_check(recorders[0].outputs[n], recorders[1].outputs[n],
                                            _sharded_rows(n, plan, rank)) for n in order}
     ref_params = dict(ref.named_parameters())
-    grads: dict[str, Check] = dict.fromkeys(order, Check())
+    grads = {n: Check() for n in order}
     for pname, p in model.named_parameters():
         owner = pname.rpartition(".")[0]
         c = _grad_check(p, ref_params[pname], plan.params.get(pname), rank)
         grads[owner] = grads.get(owner, Check()).worst(c)
     result["grads"] = grads
-    got, want = (_output_tensors(o) for o in outs)
+    got, want = (_output_tensors(o) for o in outs_tp_ref)
     result["outputs"] = {k: _check(got[k], v) if k in got else Check(abs=float("inf"), rel=float("inf"))
                          for k, v in want.items()}
     result["outputs"]["loss"] = _check(losses[0], losses[1])
