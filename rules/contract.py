@@ -110,9 +110,13 @@ def addmm(an: Analysis, node: torch.fx.Node) -> object:
 @rule(aten.mm, aten.matmul, aten.bmm)
 def matmul(an: Analysis, node: torch.fx.Node) -> object:
     x, y = node.args[:2]
-    yv = an.val(y)
+    xv, yv = an.val(x), an.val(y)
     if isinstance(yv, ParamRef) and an.ndim(y) >= 2:
         return linear_like(an, node, x, yv, an.ndim(y) - 2, an.ndim(y) - 1)
+    if isinstance(xv, ParamRef) and an.ndim(x) == 2 and an.ndim(y) >= 2:
+        # W @ y (Mamba's dt_proj.weight @ time_step): rows of W are the output features,
+        # on dim -2 of the result, and y's dim -2 is contracted
+        return linear_like(an, node, y, xv, 1, 0, feature_dim=-2)
     return activation_matmul(an, node, x, y)
 
 

@@ -43,22 +43,34 @@ def _partial_result(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]
             return partials[0]
         if packet in (aten.add, aten.sub) and not others:
             return Partial(tuple(r for p in partials for r in p.rows))
-    an.reduce_partials(node)
-    if any(isinstance(v, Feat) for v in others):
-        # the reduced sum is whole on every rank, the other operand only a slice of it
-        an.poison_node(node, "a partial sum meets sharded features", *others)
+    an.reduce_partials(node)  # reduced first: from here on the sum is a replicated value
     return None
+
+
+def _param_through(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]) -> ParamRef | None:
+    """Elementwise math on one parameter and scalars (Mamba's ``-exp(A_log)``) is still
+    that parameter, entry for entry: it may be sliced like the parameter itself."""
+    refs = [an.val(a) for a in args if isinstance(an.val(a), ParamRef)]
+    if len(refs) != 1 or refs[0].is_buffer:
+        return None
+    others = [a for a in args if not isinstance(an.val(a), ParamRef)]
+    if any(int(np.prod(an.shape(a))) > 1 for a in others):
+        return None
+    ref = refs[0]
+    return ParamRef(ref.fqn, (None,) * (an.ndim(node) - len(ref.dims)) + ref.dims)
 
 
 def pointwise(an: Analysis, node: torch.fx.Node) -> object:
     """Generic elementwise rule (with broadcasting)."""
     args = _tensor_args(node)
     if any(isinstance(an.val(a), Partial) for a in args):
-        return _partial_result(an, node, args)
+        result = _partial_result(an, node, args)
+        if result is not None:
+            return result
     nd = an.ndim(node)
     feats = [an.aligned_to(an.val(a).atoms, nd) for a in args if isinstance(an.val(a), Feat)]
     if not feats:
-        return None
+        return _param_through(an, node, args)
     out = feats[0]
     for other in feats[1:]:
         an.union(out, other)

@@ -200,7 +200,7 @@ def analyze(
                 f"cannot split {', '.join(sorted(fqns))} over tp={tp}: {f.reason}. "
                 f"tp values that work for it: {f.valid_tp}"
             )
-            if strict:
+            if strict and n_pass == 1:  # later passes split what earlier ones replicated
                 raise TPError(msg)
             notes.append(msg + " (kept replicated)")
             new |= set(f.blocks)
