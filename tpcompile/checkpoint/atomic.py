@@ -94,30 +94,32 @@ def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True,
                            group: Any = None) -> Iterator[Path]:
     """:func:`atomic_dir` shared by every rank (a shared filesystem is assumed).
 
-    Rank 0 creates the private directory and tells the others its name; the rename
-    happens only if every rank finished its part, and every rank learns the outcome, so
-    an error on any rank fails the save everywhere instead of leaving a half checkpoint.
+    The lowest rank of ``group`` (default: the world) creates the private directory and
+    tells the others its name; the rename happens only if every rank finished its part,
+    and every rank learns the outcome, so an error on any rank fails the save everywhere
+    instead of leaving a half checkpoint.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         with atomic_dir(final, overwrite=overwrite) as tmp:
             yield tmp
         return
     final = Path(final)
     rank = dist.get_rank()
-    box: list[object] = [str(_new_partial(final)) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group)
+    leader = 0 if group is None else min(dist.get_process_group_ranks(group))
+    box: list[object] = [str(_new_partial(final)) if rank == leader else None]
+    dist.broadcast_object_list(box, src=leader, group=group)
     tmp = Path(str(box[0]))
     error: BaseException | None = None
     try:
         yield tmp
     except BaseException as err:  # noqa: BLE001 - re-raised after the ranks agree
         error = err
-    flags = [None] * dist.get_world_size()
+    flags = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
                            group=group)
     failures = [f for f in flags if f]
     outcome: list[object] = [None]
-    if rank == 0:
+    if rank == leader:
         if failures:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome[0] = "; ".join(failures)
@@ -126,8 +128,8 @@ def distributed_atomic_dir(final: str | os.PathLike, *, overwrite: bool = True,
                 _commit(tmp, final, overwrite)
             except BaseException as err:  # noqa: BLE001 - every rank must hear of it
                 shutil.rmtree(tmp, ignore_errors=True)
-                outcome[0] = f"rank 0: {type(err).__name__}: {err}"
-    dist.broadcast_object_list(outcome, src=0, group=group)
+                outcome[0] = f"rank {leader}: {type(err).__name__}: {err}"
+    dist.broadcast_object_list(outcome, src=leader, group=group)
     if error is not None:
         raise error
     if outcome[0]:

@@ -1,0 +1,5 @@
+"""``torch.sagemaker.distributed`` counterparts."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

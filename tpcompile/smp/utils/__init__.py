@@ -1,0 +1,5 @@
+"""``torch.sagemaker.utils`` counterparts."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
