@@ -104,7 +104,7 @@ def honest_tensor(value: torch.Tensor, lay: _Layout, group: Any, tp_rank: int, t
     else:
         parts = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(parts, local.contiguous(), group=group)
-        out = t.to_hf(parts).narrow(dim, start, length).clone()  # the clone frees the full tensor
+        out = _pick_rows(parts, lay, start, length)
         del parts
     if not out.is_contiguous():
         out = out.contiguous()
@@ -113,6 +113,23 @@ def honest_tensor(value: torch.Tensor, lay: _Layout, group: Any, tp_rank: int, t
     placements[_tp_dim(value)] = Shard(dim)
     stride = torch.empty(t.shape, device="meta").stride()
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(t.shape), stride=stride)
+
+
+def _pick_rows(parts: list[torch.Tensor], lay: _Layout, start: int, length: int) -> torch.Tensor:
+    """HF rows ``[start, start + length)`` from every rank's local tensor, each row taken
+    from the first rank holding it, without assembling the full tensor."""
+    t = lay.map
+    dim = t.shard_dim
+    first = torch.as_tensor(t._first_position[start:start + length])  # rank-major positions
+    per_rank = parts[0].shape[dim]
+    shape = list(parts[0].shape)
+    shape[dim] = length
+    out = parts[0].new_empty(shape)
+    for q, part in enumerate(parts):
+        rows = ((first >= q * per_rank) & (first < (q + 1) * per_rank)).nonzero().flatten()
+        if rows.numel():
+            out.index_copy_(dim, rows, part.index_select(dim, first[rows] - q * per_rank))
+    return out
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

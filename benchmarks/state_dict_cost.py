@@ -1,0 +1,111 @@
+"""What ``model.state_dict()`` of a transformed model costs, per rank, at tp=2.
+
+``state_dict()`` is honest (every entry's full value is the HF tensor): contiguous and
+replicated parameters are returned as they are, a padded vocabulary as a view, and
+every other layout (fused q|k|v / gate|up blocks, KV copies) is converted with one
+all-gather over the TP group per tensor.  This script measures, on two mid-size models
+whose layouts differ (a Llama: separate q/k/v and gate/up, all contiguous; a Phi-3:
+fused ``qkv_proj`` and ``gate_up_proj``, so most of the weights convert):
+
+* wall time of ``model.state_dict()`` (median of 5) beside a plain model's in one process;
+* the bytes the returned dict holds beyond the parameters (new storages), per rank;
+* the peak resident set increase (``VmHWM``) during the calls, per rank.
+
+    python benchmarks/state_dict_cost.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from common import spawn_ranks  # noqa: E402
+
+SIZE = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "vocab_size": 32000, "head_dim": 64}
+
+
+def _build(name: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tpcompile.presets import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(name, **{k: v for k, v in SIZE.items() if k != "head_dim" or name == "llama"})
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_hwm() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _measure(model: torch.nn.Module) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    _reset_hwm()
+    base = _hwm_mb()
+    sd = model.state_dict()  # one call, nothing else held: its peak is the cost
+    peak = _hwm_mb() - base
+    times = []
+    for _ in range(5):
+        del sd
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        sd = model.state_dict()
+        times.append(time.perf_counter() - t0)
+    held = sum(local(v).untyped_storage().nbytes() for v in sd.values()
+               if local(v).untyped_storage().data_ptr() not in params)
+    total = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    return {"median_s": statistics.median(times), "held_mb": held / 2**20, "peak_rss_mb": peak,
+            "params_mb": total / 2**20, "converted": sum(1 for v in sd.values()
+                                                         if local(v).untyped_storage().data_ptr() not in params)}
+
+
+def _rank(rank: int, name: str) -> dict[str, Any]:
+    import tpcompile
+
+    model = tpcompile.transform(_build(name), tp=2)
+    return _measure(model)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for name in ("llama", "phi3"):
+        plain = _measure(_build(name))
+        ranks = spawn_ranks(_rank, 2, (name,))
+        r = ranks[0]
+        print(f"{name}: params/rank {r['params_mb']:.0f} MB; state_dict() {r['median_s'] * 1e3:.1f} ms "
+              f"(plain model, one process: {plain['median_s'] * 1e3:.2f} ms); converted entries {r['converted']}; "
+              f"held beyond params {r['held_mb']:.0f} MB/rank; peak RSS +{r['peak_rss_mb']:.0f} MB/rank "
+              f"(rank 1: {ranks[1]['median_s'] * 1e3:.1f} ms, +{ranks[1]['peak_rss_mb']:.0f} MB)")
+
+
+if __name__ == "__main__":
+    main()
