@@ -354,7 +354,7 @@ def _memory(model: nn.Module, plan: Plan, dp_shard: int) -> dict[str, int]:
 
 
 def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
-                         stacks: Any = None, local_loss: bool | None = None) -> dict[str, Any]:
+                         cap: Capture | None = None) -> dict[str, Any]:
     """Activation bytes one rank holds at the end of forward, for ``batch × seq`` tokens.
 
     How: a copy of the model with every parameter at this rank's local (TP) shape, as
@@ -374,7 +374,10 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
 
     from .analysis.fixups import apply_fixups
 
-    stacks = stacks if stacks is not None else capture(model).stacks
+    cap = cap or capture(model)
+    stacks = cap.stacks
+    # the loss runs on the local vocab shard exactly when the vocab-parallel CE is issued
+    local_loss = plan.tp > 1 and bool(_loss_issues(model, plan, cap))
     mode = FakeTensorMode()
     memo: dict[int, Any] = {}
     with mode:
@@ -484,9 +487,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     notes = []
     activations: dict[str, Any] | None = None
     if tokens is not None:
-        local_loss = any(i.source == "loss" for i in issues) or (plan.loss_parallel and plan.tp > 1)
-        activations = estimate_activations(model, plan, batch=batch, seq=seq, stacks=cap.stacks,
-                                           local_loss=local_loss)
+        activations = estimate_activations(model, plan, batch=batch, seq=seq, cap=cap)
         memory["activations"] = activations["bytes"]
         if activations["bytes"] is None:
             notes.append(f"activation estimate unavailable: {activations['error']}")
