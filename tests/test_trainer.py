@@ -1,7 +1,8 @@
 """transformers.Trainer trains, checkpoints and resumes a tpcompile model (real gloo ranks).
 
 A tiny Llama trains 3 AdamW steps (linear LR decay, grad clipping) under the Trainer at
-tp=2 (world 2, ``transform``) and dp_shard 2 x tp 2 (world 4, ``parallelize``); each
+tp=2 (world 2, ``transform``) and dp_shard 2 x tp 2 (world 4, ``parallelize``, with 2
+gradient-accumulation micro-batches per step and unequal token counts); each
 step's loss and gradient norm must equal a single-process Trainer on the same global
 batches. The run checkpoints at step 2; a fresh model resumed from it must log the same
 step-3 loss, and the final ``save_model`` directory must load with plain transformers
@@ -24,17 +25,21 @@ GLOBAL_BATCH = 4
 
 
 class _Tokens(torch.utils.data.Dataset):
-    """16 fixed random sequences; the Trainer's seeded sampler shuffles them."""
+    """16 fixed random sequences; the Trainer's seeded sampler shuffles them. Every third
+    one has its last labels ignored (-100), so samples carry unequal token counts and
+    the loss must be token-weighted across micro-batches and data-parallel ranks."""
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(1)
         self.ids = torch.randint(0, 256, (16, 9), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[::3, 5:] = -100
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 def _model() -> torch.nn.Module:
@@ -46,11 +51,12 @@ def _model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(tiny_config("llama"))
 
 
-def _trainer(model: torch.nn.Module, out: str, batch: int, callbacks: list) -> object:
+def _trainer(model: torch.nn.Module, out: str, batch: int, callbacks: list, accumulate: int = 1) -> object:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=batch, max_steps=STEPS, learning_rate=1e-2,
+        output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
+        max_steps=STEPS, learning_rate=1e-2,
         lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=2,
         save_only_model=True, report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
     return Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
@@ -89,7 +95,8 @@ def _child(rank: int, world: int, layout: str, out: str) -> dict:
     # what torchrun exports: the Trainer and accelerate read these to run distributed
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    batch = GLOBAL_BATCH // (world // 2)
+    # world 4: 2 data-parallel ranks x 2 micro-batches of 1 = the reference's batch of 4
+    batch, accumulate = (GLOBAL_BATCH, 1) if world == 2 else (1, 2)
     result: dict = {}
     model = _parallel(_model(), layout)
     if layout == "tp":  # without the callback the TP ranks get different batches: refused
@@ -98,7 +105,7 @@ def _child(rank: int, world: int, layout: str, out: str) -> dict:
         except tpcompile.TPError as err:
             result["guard"] = str(err)
 
-    trainer = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()])
+    trainer = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()], accumulate)
     trainer.train()
     result["losses"] = _logged(trainer)
     result["wrapped"] = isinstance(trainer.model_wrapped, DistributedDataParallel) or trainer.model_wrapped is not model
@@ -111,7 +118,7 @@ def _child(rank: int, world: int, layout: str, out: str) -> dict:
         result["final_diff"] = max((plain[k] - trained[k]).abs().max().item() for k in trained)
 
     # the trained model itself: resuming must overwrite its weights and optimizer with step 2's
-    resumed = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()])
+    resumed = _trainer(model, f"{out}/run", batch, [TPTrainerCallback()], accumulate)
     resumed.train(resume_from_checkpoint=f"{out}/run/checkpoint-2")
     result["resumed"] = _logged(resumed, since=2)
     if layout == "tp":
