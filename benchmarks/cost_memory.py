@@ -25,7 +25,7 @@ if str(HERE) not in sys.path:
 from common import spawn_ranks  # noqa: E402
 
 TP, BATCH, SEQ, STEPS = 2, 2, 256, 3
-MB = 1024 * 1024
+MB = 1024 * 1024  # MiB
 
 
 def _config() -> Any:
@@ -82,9 +82,9 @@ def main() -> None:
     measured = spawn_ranks(_rank, TP)
     est = mem["gradients"] + mem["adamw_states"] + mem["activations"]
     out = {"estimate": {k: round(v / MB, 1) for k, v in mem.items()},
-           "estimate_above_baseline_mb": round(est / MB, 1),
+           "estimate_above_baseline_mib": round(est / MB, 1),
            "measured": {r: {k: round(v / MB, 1) for k, v in m.items()} for r, m in measured.items()},
-           "measured_above_baseline_mb": {r: round((m["peak"] - m["baseline"]) / MB, 1)
+           "measured_above_baseline_mib": {r: round((m["peak"] - m["baseline"]) / MB, 1)
                                           for r, m in measured.items()}}
     print(json.dumps(out, indent=2))
 

@@ -158,6 +158,7 @@ _TP_CASES = [
     ("gpt2", {}, 2, 1, False),
     ("mixtral", {}, 2, 1, False),
     ("bert", {}, 2, 1, False),
+    ("llama", {}, 1, 2, False),  # FSDP2 alone (parallelize at tp=1, dp_shard=2)
 ]
 _FSDP_CASES = [(name, {}, 2, 2, False) for name in ("llama", "gpt2", "mixtral", "bert")]
 
@@ -174,7 +175,7 @@ def _check(results: list[list[tuple[dict, dict, dict]]], cases: list[tuple]) -> 
 
 
 @pytest.mark.slow
-def test_cost_equals_counted_collectives_tp2() -> None:
+def test_cost_equals_counted_collectives_world2() -> None:
     results = run_distributed(_step, 2, _TP_CASES)
     _check(results, _TP_CASES)
     llama = results[0][0][1]
@@ -184,7 +185,7 @@ def test_cost_equals_counted_collectives_tp2() -> None:
 
 
 @pytest.mark.slow
-def test_cost_equals_counted_collectives_dp2_tp2() -> None:
+def test_cost_equals_counted_collectives_world4_dp2_tp2() -> None:
     results = run_distributed(_step, 4, _FSDP_CASES)
     _check(results, _FSDP_CASES)
     fsdp_ops = results[0][0][1]["backward"]

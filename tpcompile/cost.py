@@ -550,8 +550,8 @@ def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
         lines.append(line)
     if per_block:
         block, entry = next(iter(per_block.items()))
-        n = sum(1 for i in cost["issues"] if i["source"].startswith(block + "."))
-        repeats = next(i["count"] for i in cost["issues"] if i["source"].startswith(block + ".")) if n else 1
+        # a block module's issue is counted once per block of the same structure
+        repeats = next(i["count"] for i in cost["issues"] if i["source"].startswith(block + "."))
         lines.append(f"per block: fwd {_ops_text(entry['forward'])}, bwd {_ops_text(entry['backward'])}"
                      f"   (e.g. {block}; {repeats} blocks like it)")
     loss = [i for i in cost["issues"] if i["source"] == "loss"]
@@ -563,7 +563,7 @@ def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
         n = len({i["source"] for i in units})
         lines.append(f"FSDP2 dp_shard={cost['dp_shard']}, {n} units: each fwd 1 all-gather-into-tensor; "
                      "bwd 1 all-gather-into-tensor, 1 reduce-scatter-tensor")
-    return lines
+    return lines or ["none"]
 
 
 def render_summary(cost: dict[str, Any]) -> str:
