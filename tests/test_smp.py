@@ -233,7 +233,37 @@ def _world2(rank: int, world: int, root: str) -> dict:
         out["local_error"] = None
     except TPError as err:
         out["local_error"] = str(err)
+    out["delayed_equal"] = _delayed_init_matches_parallelize()
     return out
+
+
+def _delayed_init_matches_parallelize() -> bool:
+    """Every rank builds on meta (no rank-0 weights): DelayedParamIniter fills the tensors
+    as FSDP1 wraps them. Their HF values must be parallelize's delayed init (same seed)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import tpcompile
+    import tpcompile.smp as tsm
+    from tpcompile.smp.core import DEFAULT_SEED
+    from tpcompile.smp.delayed_param import DelayedParamIniter
+    from tpcompile.smp.distributed.checkpoint.state_dict_utils import sm_state_dict_type
+
+    model = tsm.transform(_build(False))
+    initer = DelayedParamIniter(model)
+    with initer.validate_params_and_buffers_inited():
+        model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                               transformer_layer_cls={LlamaDecoderLayer}),
+                     param_init_fn=initer.get_param_init_fn(), use_orig_params=True,
+                     device_id=torch.device("cpu"), process_group=tsm.state.fsdp_process_group)
+    with sm_state_dict_type(model, StateDictType.FULL_STATE_DICT):  # translate_on_save by default
+        got = model.state_dict()
+    want = tpcompile.hf_state_dict(tpcompile.parallelize(_build(False), tp=2, seed=DEFAULT_SEED))
+    if dist.get_rank() != 0:
+        return True
+    return len(want) > 10 and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
@@ -254,6 +284,7 @@ def test_smp_script_trains_checkpoints_and_exports(tmp_path: Path) -> None:
 
     second = run_distributed(_world2, 2, str(tmp_path))
     for r in second:
+        assert r["delayed_equal"]
         assert r["sharded_resumed"] == pytest.approx(first["after"], rel=RESUME_REL), (r, first["after"])
         assert "world=4" in r["local_error"] and "world=2" in r["local_error"], r["local_error"]
 
