@@ -1,11 +1,12 @@
 """transformers.Trainer trains, checkpoints and resumes a tpcompile model (real gloo ranks).
 
-A tiny Llama trains 3 AdamW steps (linear LR decay, grad clipping) under the Trainer at
+A tiny Llama trains 4 AdamW steps (linear LR decay, grad clipping) under the Trainer at
 tp=2 (world 2, ``transform``) and dp_shard 2 x tp 2 (world 4, ``parallelize``, with 2
 gradient-accumulation micro-batches per step and unequal token counts); each
 step's loss and gradient norm must equal a single-process Trainer on the same global
-batches. The run checkpoints at step 2; a fresh model resumed from it must log the same
-step-3 loss, and the final ``save_model`` directory must load with plain transformers
+batches. The run checkpoints at step 2; resumed from it, steps 3 and 4 must log the
+uninterrupted run's losses (step 4 depends on the restored optimizer and LR schedule),
+and the final ``save_model`` directory must load with plain transformers
 equal to the trained weights.
 """
 
@@ -20,7 +21,7 @@ import torch
 from dist import run_distributed
 
 REL = 1e-4
-STEPS = 3
+STEPS = 4
 GLOBAL_BATCH = 4
 
 
@@ -168,9 +169,13 @@ def _check(results: list[dict], world: int) -> None:
             assert loss == pytest.approx(ref_loss, rel=REL), (rank, res["losses"], reference)
             assert norm == pytest.approx(ref_norm, rel=REL), (rank, res["losses"], reference)
         assert not res["wrapped"], "the Trainer wrapped the model (DDP) although it distributes itself"
-        # resumed from checkpoint-2: step 3 as in the uninterrupted run (optimizer + LR restored)
-        assert len(res["resumed"]) == 1 and res["resumed"][0][0] == pytest.approx(reference[2][0], rel=REL), \
-            (rank, res["resumed"], reference)
+        # resumed from checkpoint-2: steps 3 and 4 as in the uninterrupted run. Step 3's loss
+        # only needs the weights; step 4's needs step 3's update, i.e. the restored AdamW
+        # moments and LR schedule (measured: skipping their restore moves it by ~1%)
+        assert len(res["resumed"]) == 2, (rank, res["resumed"])
+        for (loss, norm), (ref_loss, ref_norm) in zip(res["resumed"], reference[2:], strict=True):
+            assert loss == pytest.approx(ref_loss, rel=REL), (rank, res["resumed"], reference)
+            assert norm == pytest.approx(ref_norm, rel=REL), (rank, res["resumed"], reference)
     assert results[0]["final_keys"]
     assert results[0]["final_diff"] == 0.0, results[0]["final_diff"]
 
