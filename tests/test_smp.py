@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist import run_distributed
+from dist import global_step, run_distributed
 
 from tpcompile.presets import tiny_config
 
@@ -234,6 +234,11 @@ def _world2(rank: int, world: int, root: str) -> dict:
     except TPError as err:
         out["local_error"] = str(err)
     out["delayed_equal"] = _delayed_init_matches_parallelize()
+    # the FSDP2 road: the untransformed model and the same SMP config to parallelize
+    import tpcompile
+
+    fsdp2 = tpcompile.parallelize(_build(True), config={"tensor_parallel_degree": 2})
+    out["fsdp2_loss"] = global_step(fsdp2, torch.optim.AdamW(fsdp2.parameters(), lr=LR), _batches()[0])
     return out
 
 
@@ -285,6 +290,7 @@ def test_smp_script_trains_checkpoints_and_exports(tmp_path: Path) -> None:
     second = run_distributed(_world2, 2, str(tmp_path))
     for r in second:
         assert r["delayed_equal"]
+        assert r["fsdp2_loss"] == pytest.approx(want[0], rel=REL)
         assert r["sharded_resumed"] == pytest.approx(first["after"], rel=RESUME_REL), (r, first["after"])
         assert "world=4" in r["local_error"] and "world=2" in r["local_error"], r["local_error"]
 
@@ -293,3 +299,39 @@ def test_smp_script_trains_checkpoints_and_exports(tmp_path: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         torch.testing.assert_close(hf(PROBE).logits, first["logits"], rtol=1e-5, atol=1e-5)
+
+
+SURFACE = {
+    "tpcompile.smp": ["Ranker", "State", "init", "state", "transform"],
+    "tpcompile.smp.delayed_param": ["DelayedParamIniter"],
+    "tpcompile.smp.distributed.checkpoint.state_dict_utils": [
+        "FullStateDictConfig", "LocalStateDict", "SMStateDictType", "init_optim_state", "sm_state_dict_type"],
+    "tpcompile.smp.distributed.checkpoint.state_dict_saver": [
+        "LAYOUT_FILE", "async_save", "maybe_finalize_async_calls", "save"],
+    "tpcompile.smp.distributed.checkpoint.state_dict_loader": ["load"],
+    "tpcompile.smp.distributed.checkpoint.filesystem": ["DistributedFileSystemReader", "DistributedFileSystemWriter"],
+    "tpcompile.smp.utils.process_group_utils": ["get_global_ranks"],
+}
+
+
+def test_smp_surface_is_frozen() -> None:
+    import importlib
+
+    for name, names in SURFACE.items():
+        module = importlib.import_module(name)
+        assert sorted(module.__all__) == names, name
+        assert all(hasattr(module, n) for n in names), name
+    from tpcompile.smp.delayed_param import DelayedParamIniter
+    from tpcompile.smp.distributed.checkpoint.state_dict_utils import SMStateDictType
+
+    assert SMStateDictType.SM_LOCAL_STATE_DICT
+    for method in ("get_param_init_fn", "get_post_param_init_fn", "validate_params_and_buffers_inited"):
+        assert callable(getattr(DelayedParamIniter, method))
+
+
+def test_smp_state_before_init_is_a_clear_error() -> None:
+    from tpcompile.errors import TPError
+    from tpcompile.smp import State
+
+    with pytest.raises(TPError, match=r"call tsm.init\(config\) first"):
+        _ = State().tp_rank
