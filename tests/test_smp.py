@@ -335,3 +335,18 @@ def test_smp_state_before_init_is_a_clear_error() -> None:
 
     with pytest.raises(TPError, match=r"call tsm.init\(config\) first"):
         _ = State().tp_rank
+
+
+def test_smp_config_from_the_sagemaker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tpcompile.config import resolve_config
+    from tpcompile.errors import TPError
+    from tpcompile.smp.core import SAGEMAKER_ENV, _read_config
+
+    monkeypatch.setenv(SAGEMAKER_ENV, '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}')
+    assert resolve_config(_read_config(None), world_size=8).mesh_shape == (2, 2, 2)
+    assert _read_config({"tensor_parallel_degree": 4}) == {"tensor_parallel_degree": 4}  # explicit wins
+    monkeypatch.setenv(SAGEMAKER_ENV, "{not json")
+    with pytest.raises(TPError, match="SM_HP_MP_PARAMETERS is not valid JSON"):
+        _read_config(None)
+    monkeypatch.delenv(SAGEMAKER_ENV)
+    assert _read_config(None) is None  # SMP's defaults
