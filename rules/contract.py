@@ -153,6 +153,8 @@ def activation_matmul(
     if (xa is None and ya is not None and ya.shape[-2] > 1) or (ya is None and xa is not None and xa.shape[-1] > 1):
         an.poison_node(node, "sharded features contracted with a replicated activation", xv, yv)
         return None
+    if xa is None or ya is None:  # the replicated side meets every rank's own features
+        an.shares(node, x if xa is None else y, an.aligned_to(xa if ya is None else ya, nd))
     x_m = x_k = y_k = y_n = None
     if xa is not None:
         xa = an.aligned_to(xa, nd)

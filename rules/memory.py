@@ -73,7 +73,9 @@ def scatter(an: Analysis, node: torch.fx.Node) -> object:
         if isinstance(sv, Feat):
             src_atoms = an.aligned_to(sv.atoms, nd)
     old = an.aligned_to(bv.atoms, nd) if isinstance(bv, Feat) else None
-    return an.feat(place_atoms(old, src_atoms, nd, dim, size, idx))
+    if src_atoms is None and old is not None:
+        an.shares(node, src, old)
+    return an.feat(place_atoms(old, src_atoms, nd, dim, size, idx, an))
 
 
 MEMORY_RULES = [factory, copy, scatter]

@@ -235,6 +235,7 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     if not any(isinstance(v, Feat) for v in vals):
         return None
     pieces: list[np.ndarray] = []
+    unplaced: list[torch.fx.Node] = []
     for t, v in zip(tensors, vals, strict=False):
         shape = list(an.shape(t))
         if packet is aten.stack:
@@ -246,7 +247,12 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
             a = an.aligned_to(a, nd)
         else:
             a = np.full([1] * nd, -1, dtype=np.int64)
+            if isinstance(t, torch.fx.Node) and not isinstance(v, Partial) and 0 not in shape:
+                unplaced.append(t)  # (an empty piece, like a zero-width rotary tail, is nothing)
         pieces.append(a)
+    feats = [p for p in pieces if (p >= 0).any()]
+    for t in unplaced:  # a replicated piece beside sharded ones: read by every rank
+        an.shares(node, t, feats[0])
     # broadcast every piece to a common shape off the cat dim, full size on it
     common = [max(p.shape[d] for p in pieces) for d in range(nd)]
     full: list[np.ndarray] = []

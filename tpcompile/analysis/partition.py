@@ -61,6 +61,9 @@ class RegionFailure:
     reason: str
     valid_tp: list[int]
     single_unit: bool = False
+    # units of unequal sizes (a norm-tied latent beside a few rotary pairs): not a
+    # count of heads that does not divide, but a region that cannot be split at all
+    uneven_units: bool = False
 
 
 @dataclass
@@ -80,6 +83,7 @@ class _Region:
     classes: np.ndarray  # dealt units' class labels, in deal order
     followers: np.ndarray  # classes placed wherever their replicas land
     vocab: bool
+    uneven: bool = False  # its units hold different numbers of features
 
 
 @dataclass
@@ -150,7 +154,8 @@ def _regions(an: Analysis, f: _Atoms) -> list[_Region]:
             any(table.blocks[b].key[0] in embedding_fqns for b in blocks)
             or (per_class.max() <= len(blocks) and dealt.size >= 64)
         )
-        regions.append(_Region(blocks, classes, uniq[f.follower[uniq]], vocab))
+        uneven = bool(dealt.size > 1 and per_class.min() != per_class.max())
+        regions.append(_Region(blocks, classes, uniq[f.follower[uniq]], vocab, uneven))
     return regions
 
 
@@ -209,7 +214,7 @@ def partition(an: Analysis, tp: int) -> Partition:
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
             valid = [t for t in valid_tp_sizes(n) if isinstance(_layouts_for(an, region, _deal(t, n, False), f, t), dict)]
-            result.failures.append(RegionFailure(keys, n, reason, valid))
+            result.failures.append(RegionFailure(keys, n, reason, valid, uneven_units=region.uneven))
             continue
         result.layouts.update(layouts)
         class_rank = np.full(table.size, -1, dtype=np.int64)

@@ -120,11 +120,21 @@ def slice_indices(bounds: Sequence[Any], size: int) -> list[int]:
 
 
 def place_atoms(old: np.ndarray | None, src: np.ndarray | None, nd: int, dim: int, size: int,
-                idx: list[int]) -> np.ndarray:
+                idx: list[int], an: Analysis | None = None) -> np.ndarray:
     """Atoms of a tensor ``old`` (``None``: no features) after ``src`` is written at
-    positions ``idx`` of ``dim`` (both already aligned to ``nd`` dims)."""
+    positions ``idx`` of ``dim`` (both already aligned to ``nd`` dims).
+
+    Where ``src`` is broadcast along a dim whose positions ``old`` gives distinct
+    features (one shared rotary key written into every head of a key buffer, as
+    DeepSeek's MLA does), each position gets its own replica atoms (``an`` mints them):
+    the copies may then live on different ranks, like repeated KV heads."""
     old = old if old is not None else np.full((1,) * nd, -1, dtype=np.int64)
     src = src if src is not None else np.full((1,) * nd, -1, dtype=np.int64)
+    if an is not None and (src >= 0).any():
+        for d in range(nd):
+            if d != dim and src.shape[d] == 1 and old.shape[d] > 1:
+                an.replicated_bases.append(src.reshape(-1).copy())
+                src = np.concatenate([an.atoms.replicas(src) for _ in range(old.shape[d])], axis=d)
     shape = [max(a, b) for a, b in zip(old.shape, src.shape, strict=True)]
     shape[dim] = size
     if old.shape[dim] == 1:
@@ -274,6 +284,15 @@ class Analysis:
         if any(flags):
             self.uniform[node] = tuple(flags)
 
+    def shares(self, node: fx.Node, operand: Any, atoms: np.ndarray) -> None:
+        """``operand``, a replicated activation, is used by every rank alongside the
+        sharded features ``atoms`` (broadcast into them, multiplied with them): each
+        rank's backward sees only its features' share of its gradient."""
+        if isinstance(operand, fx.Node) and operand in self.tainted and not isinstance(
+                self.value.get(operand), Feat | ParamRef):
+            nd = np.ndim(atoms)
+            self.aligned.append(Aligned(node, operand, atoms, (1,) * nd, True))
+
     def mark_uniform(self, node: fx.Node) -> None:
         """``node`` is a freshly filled tensor: the same value everywhere."""
         self.uniform[node] = (True,) * self.ndim(node)
@@ -295,6 +314,8 @@ class Analysis:
         if isinstance(src_value, Partial):
             self.reduce_partials(node)  # the sum is needed before it is stored
             src_value = None
+        if not isinstance(src_value, Feat) and isinstance(cur, Feat) and len(node.args) > 1:
+            self.shares(node, node.args[1], self.aligned_to(cur.atoms, self.ndim(base)))
         if not isinstance(src_value, Feat) and not isinstance(cur, Feat):
             return  # nothing sharded before or after: the base stays replicated
         if len(chain) != 1 or isinstance(cur, Partial | ParamRef):
@@ -306,7 +327,7 @@ class Analysis:
         idx = slice_indices(sl.args[2:5], size)
         src = self.aligned_to(src_value.atoms, nd) if isinstance(src_value, Feat) else None
         old = self.aligned_to(cur.atoms, nd) if isinstance(cur, Feat) else None
-        full = place_atoms(old, src, nd, dim, size, idx)
+        full = place_atoms(old, src, nd, dim, size, idx, self)
         self.value[base] = self.feat(full)
         self.uniform.pop(base, None)
 

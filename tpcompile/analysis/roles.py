@@ -146,6 +146,8 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set:
     for f in part.failures:
         if f.single_unit:
             new |= set(f.blocks)
+    if new:  # the output head may only show up once those are replicated
+        return new
     out_set = set(np.unique(outputs[outputs >= 0]).tolist())
     vocab_sizes = {int(c.atoms.size) for c in an.columns if int(c.atoms[0]) in out_set}
     for e in an.embeddings:
@@ -180,6 +182,9 @@ def analyze(
         # structural forcing first: one-unit regions (an MoE router, a norm over the whole
         # hidden size) and small lookup tables (positions, token types) stay replicated
         new = _structural(an, part, outputs)
+        if new - forced:  # replicate those first: what they poison downstream may vanish
+            forced |= new
+            continue
         for p in an.poison:
             touched = _region_blocks(part, an, p.atoms)
             if touched and touched <= new | forced:
@@ -200,7 +205,9 @@ def analyze(
                 f"cannot split {', '.join(sorted(fqns))} over tp={tp}: {f.reason}. "
                 f"tp values that work for it: {f.valid_tp}"
             )
-            if strict and n_pass == 1:  # later passes split what earlier ones replicated
+            # a head count that does not divide tp is the user's to fix; a region of unequal
+            # units (a low-rank latent) or one exposed by later passes is simply replicated
+            if strict and n_pass == 1 and not f.uneven_units:
                 raise TPError(msg)
             notes.append(msg + " (kept replicated)")
             new |= set(f.blocks)

@@ -1,0 +1,58 @@
+"""Tiny models of families beyond text decoders, built from their config classes.
+
+Each builder gives the family's real structure at CPU size: encoder-decoder (T5), vision
+encoder (ViT), state-space (Mamba), multi-head latent attention with MoE (DeepSeek-V3),
+and Phi-3 with grouped KV heads (two attributes of the same global value that map to
+different local values at tp=2).  Models are returned in eval mode: dropout off, so
+the tensor-parallel copy and the reference see the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as hf
+
+__all__ = ["GENERATES", "build"]
+
+# families whose model generates text (greedy tokens are compared)
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3"}
+
+
+def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
+    kw = {} if attn is None else {"attn_implementation": attn}
+    if name == "phi3":  # GQA: num_key_value_heads 2 -> 1 while num_key_value_groups stays 2
+        return hf.Phi3ForCausalLM, hf.Phi3Config(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            num_hidden_layers=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, **kw)
+    if name == "t5":  # relative-position bias per head, shared embedding, decoder start token
+        return hf.T5ForConditionalGeneration, hf.T5Config(
+            d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2,
+            vocab_size=256, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **kw)
+    if name == "vit":  # pixel_values in, conv patch embedding, CLS token
+        return hf.ViTModel, hf.ViTConfig(
+            hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
+            image_size=32, patch_size=8, **kw)
+    if name == "mamba":  # depthwise conv1d, selective scan over the sequence
+        return hf.MambaForCausalLM, hf.MambaConfig(
+            hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=256, expand=2,
+            conv_kernel=4, time_step_rank=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "deepseek_v3":  # MLA (q_lora_rank, kv_lora_rank) + routed and shared experts
+        return hf.DeepseekV3ForCausalLM, hf.DeepseekV3Config(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+            moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, vocab_size=256, max_position_embeddings=128,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    raise KeyError(f"no tiny builder for family {name!r}")
+
+
+def build(name: str, attn: str | None = None, *, meta: bool = False) -> torch.nn.Module:
+    """The tiny ``name`` model with seed 0 weights (``attn``: attention implementation)."""
+    cls, cfg = _config(name, attn)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return cls(cfg).eval()
+    return cls(cfg).eval()
