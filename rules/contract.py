@@ -337,10 +337,15 @@ def index(an: Analysis, node: torch.fx.Node) -> object:
     v = an.val(src)
     if isinstance(v, Partial):
         return v
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if isinstance(v, ParamRef) and used == list(range(len(used))):
+        # rows of a parameter picked per token (GPT-OSS's expert biases by routed expert):
+        # the remaining dims are still the parameter's, and may be sliced like it
+        lead = an.ndim(node) - (len(v.dims) - len(used))
+        return ParamRef(v.fqn, (None,) * lead + v.dims[len(used):], v.is_buffer)
     if not isinstance(v, Feat):
         return None
     a = an.aligned_to(v.atoms, an.ndim(src))
-    used = [i for i, t in enumerate(indices) if t is not None]
     if used != list(range(len(used))) or any(a.shape[i] > 1 for i in used):
         an.poison_node(node, "indexing across sharded features", v)
         return None

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tpcompile.analysis.propagate import Analysis, rule, slice_indices
-from tpcompile.analysis.state import Feat, ParamRef, Partial
+from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial
 
 __all__ = ["SHAPE_RULES"]
 
@@ -67,7 +67,7 @@ def view(an: Analysis, node: torch.fx.Node) -> object:
     if isinstance(v, Partial):
         return v
     if isinstance(v, ParamRef):
-        return v if an.shape(src) == out_shape else None
+        return _param_view(v, an.shape(src), out_shape)
     if not isinstance(v, Feat):
         return None
     in_val = an.meta(src)
@@ -82,6 +82,15 @@ def view(an: Analysis, node: torch.fx.Node) -> object:
             atoms = np.concatenate([an.atoms.replicas(atoms) for _ in range(size)], axis=d)
     full = np.broadcast_to(atoms, in_shape).reshape(out_shape)
     return an.feat(full)
+
+
+def _param_view(v: ParamRef, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> ParamRef | None:
+    """A parameter viewed with size-1 dims added or dropped (a per-head vector reshaped
+    to ``(1, H, 1, 1)``) is still that parameter; any other view loses track of it."""
+    if [s for s in in_shape if s != 1] != [s for s in out_shape if s != 1]:
+        return None
+    real = iter(d for d, s in zip(v.dims, in_shape, strict=True) if s != 1)
+    return ParamRef(v.fqn, tuple(next(real) if s != 1 else None for s in out_shape), v.is_buffer)
 
 
 @rule(aten.expand, aten.expand_as, aten.broadcast_to)
@@ -236,6 +245,7 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
         return None
     pieces: list[np.ndarray] = []
     unplaced: list[torch.fx.Node] = []
+    params: list[tuple[ParamRef, tuple[int, ...]]] = []
     for t, v in zip(tensors, vals, strict=False):
         shape = list(an.shape(t))
         if packet is aten.stack:
@@ -247,12 +257,17 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
             a = an.aligned_to(a, nd)
         else:
             a = np.full([1] * nd, -1, dtype=np.int64)
-            if isinstance(t, torch.fx.Node) and not isinstance(v, Partial) and 0 not in shape:
+            if isinstance(v, ParamRef) and packet is not aten.stack:
+                params.append((v, tuple(shape)))  # attention sinks: a per-head column
+            elif isinstance(t, torch.fx.Node) and not isinstance(v, Partial) and 0 not in shape:
                 unplaced.append(t)  # (an empty piece, like a zero-width rotary tail, is nothing)
         pieces.append(a)
     feats = [p for p in pieces if (p >= 0).any()]
     for t in unplaced:  # a replicated piece beside sharded ones: read by every rank
         an.shares(node, t, feats[0])
+    for ref, shape in params:  # sliced like the features it lines up with off the cat dim
+        line = feats[0] if feats[0].shape[dim] == 1 else np.take(feats[0], [0], axis=dim)
+        an.aligned.append(Aligned(node, ref, line, shape, True))
     # broadcast every piece to a common shape off the cat dim, full size on it
     common = [max(p.shape[d] for p in pieces) for d in range(nd)]
     full: list[np.ndarray] = []
