@@ -175,7 +175,7 @@ def capture(
         raise RuntimeError(
             f"tpcompile could not capture {type(model).__name__} with torch.export "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
-            "Pass example inputs the model accepts via example_args=/example_kwargs=."
+            "Pass one batch the model accepts: transform(..., example_inputs=dict(...))."
         ) from err
     finally:
         model.train(was_training)

@@ -93,7 +93,8 @@ def _shadow(model: nn.Module, shapes: dict[int, list[int]]) -> nn.Module:
 
 @contextmanager
 def _module_stack(model: nn.Module) -> Iterator[list[str]]:
-    """The FQNs of the modules running right now (innermost last)."""
+    """The FQNs of the modules running right now (innermost last); after an exception,
+    the modules it passed through."""
     stack: list[str] = []
     handles = []
     for name, mod in model.named_modules():
@@ -105,7 +106,8 @@ def _module_stack(model: nn.Module) -> Iterator[list[str]]:
                 stack.pop()
 
         handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post, always_call=True))
+        # not always_call: a forward that raises leaves its module on the stack
+        handles.append(mod.register_forward_hook(post))
     try:
         yield stack
     finally:
@@ -172,8 +174,9 @@ def check_local(
                 local = trace(shadow)
             except Exception as err:  # the localized model does not run: say where and why
                 where = stack[-1] if stack else ""
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                cause = err.__cause__ or err
+                cause = err.__cause__ or err  # capture wraps the model's own exception
+                text = str(cause).strip()
+                first = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
                 line = _model_frame(cause)
                 detail = f"{first}" + (f" (at {line})" if line else "")
                 return [Mismatch(where, "", (), None, detail)]
