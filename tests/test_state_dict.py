@@ -57,6 +57,12 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _state_dicts(rank: int, world: int, cases: list) -> dict[str, list[str]]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
     out: dict[str, list[str]] = {}
     for name, ov in cases:
         tag = f"{name}{ov}"
@@ -71,12 +77,21 @@ def _state_dicts(rank: int, world: int, cases: list) -> dict[str, list[str]]:
         other = tpcompile.transform(_build(name, ov, seed=1), tp=world)
         other.load_state_dict(want)
         out[f"{tag} load full"] = _diffs(_full(other.state_dict()), want)
-        # DTensors in (another model's honest state dict), then the parameters themselves
+        # DTensors in (another model's honest state dict)
         third = tpcompile.transform(_build(name, ov, seed=2), tp=world)
         third.load_state_dict(sd)
         out[f"{tag} load dtensors"] = _diffs(_full(third.state_dict()), want)
-        third.load_state_dict(dict(third.named_parameters()), strict=False)
-        out[f"{tag} load own params"] = _diffs(_full(third.state_dict()), want)
+        # torch's full-state-dict helpers: gathered on every rank, and from rank 0 only
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out[f"{tag} get full_state_dict"] = _diffs(full, want)
+        # torch slices by the parameters' own global shape: KV copies and padded
+        # vocabularies cannot take this path (README, Limits)
+        if all(p.shape == want[n].shape for n, p in model.named_parameters()):
+            fourth = tpcompile.transform(_build(name, ov, seed=3), tp=world)
+            given = {k: v.clone() for k, v in want.items()} if rank == 0 else {}
+            set_model_state_dict(fourth, given, options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=True))
+            out[f"{tag} broadcast_from_rank0"] = _diffs(_full(fourth.state_dict()), want)
         # against the transformed reference: this checks loading, not transform itself
         err = (_logits(third) - _logits(model)).abs().max().item()
         out[f"{tag} logits"] = [] if err < 1e-5 else [f"max logit error {err}"]

@@ -23,6 +23,8 @@ honest by hooks on every module owning such a parameter:
   parameter, a full tensor or a DTensor of any layout and mesh whose full value is the
   HF tensor, and hands the module's own loader a DTensor of the parameter's layout
   holding this rank's rows (under FSDP2: this rank's piece of them).  Collective too.
+  Every value is read as honest: ``dict(model.named_parameters())`` (tpcompile's local
+  layout) is not a valid state dict; ``model.state_dict()`` is.
 
 Tested (``tests/test_state_dict.py``): full values equal the untransformed model for
 every family, plain DCP save/load across tp and dp layouts, and into a plain model.
@@ -132,14 +134,6 @@ def _pick_rows(parts: list[torch.Tensor], lay: _Layout, start: int, length: int)
     return out
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    la = a.to_local() if isinstance(a, DTensor) else a
-    lb = b.to_local() if isinstance(b, DTensor) else b
-    return (la.shape == lb.shape and la.numel() > 0
-            and la.untyped_storage().data_ptr() == lb.untyped_storage().data_ptr()
-            and la.storage_offset() == lb.storage_offset())
-
-
 def to_param_layout(value: torch.Tensor, param: torch.Tensor, lay: _Layout, tp_rank: int,
                     key: str) -> torch.Tensor:
     """An incoming state-dict value (full tensor, or DTensor of the HF tensor at any
@@ -147,9 +141,9 @@ def to_param_layout(value: torch.Tensor, param: torch.Tensor, lay: _Layout, tp_r
     Collective when ``value`` is a DTensor that has to be gathered."""
     from .checkpoint.shards import shard_like
 
-    if value is param or (isinstance(value, DTensor) == isinstance(param, DTensor)
-                          and value.shape == param.shape and _same_storage(value, param)):
-        return value  # the parameter itself (e.g. from named_parameters): already in place
+    # every value is read as honest, the parameter object included: torch's
+    # set_model_state_dict(broadcast_from_rank0=True) copies torch.chunk pieces of the HF
+    # tensor into the parameters' storage and passes the parameters themselves
     if isinstance(value, DTensor):
         if (isinstance(param, DTensor) and lay.native and value.device_mesh == param.device_mesh
                 and tuple(value.placements) == tuple(param.placements) and value.shape == param.shape):
