@@ -103,6 +103,30 @@ def expand(an: Analysis, node: torch.fx.Node) -> object:
     )
 
 
+@rule(aten.repeat_interleave)
+def repeat_interleave(an: Analysis, node: torch.fx.Node) -> object:
+    """Each position repeated ``r`` times in place (Mamba-2's ``B.repeat_interleave(heads //
+    groups)``): every copy is a replica atom, so copies may live on different ranks."""
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial) or not isinstance(v, Feat):
+        return v if isinstance(v, Partial) else None
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if not isinstance(repeats, int) or dim is None:
+        an.poison_node(node, "repeat_interleave of sharded features by a tensor of counts", v)
+        return None
+    atoms = an.aligned_to(v.atoms, an.ndim(src))
+    dim %= atoms.ndim
+    if atoms.shape[dim] == 1:
+        return Feat(atoms)
+    an.replicated_bases.append(atoms.reshape(-1).copy())
+    copies = np.stack([an.atoms.replicas(atoms) for _ in range(repeats)], axis=dim + 1)
+    shape = list(atoms.shape)
+    shape[dim] *= repeats
+    return an.feat(copies.reshape(shape))
+
+
 @rule(aten.permute, aten.transpose, aten.t, aten.swapaxes, aten.movedim, aten.numpy_T)
 def permute(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
@@ -278,4 +302,4 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.concatenate(full, axis=dim))
 
 
-SHAPE_RULES = [identity, native_dropout, view, expand, permute, unsqueeze, squeeze, slice_, select, split, getitem, cat]
+SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, permute, unsqueeze, squeeze, slice_, select, split, getitem, cat]

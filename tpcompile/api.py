@@ -94,10 +94,6 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
     fixups, ambiguous = find_fixups(a, model)
     if fixups:
         fixups = verify_fixups(model, fixups, cap.graph, retrace)
-    if ambiguous:  # keep only attributes the forward turns into a shape
-        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in ambiguous.items()}
-        kept = verify_fixups(model, probe, cap.graph, retrace)
-        ambiguous = {m: {k: ambiguous[m][k] for k in attrs} for m, attrs in kept.items()}
 
     def trace(shadow: nn.Module) -> fx.Graph:
         inputs = None if example_inputs is None else {
@@ -108,7 +104,12 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
         return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
                            representative=cap.stacks.representative)
 
-    fixups, problems = resolve_fixups(fixups, ambiguous, check)
+    problems = check(fixups)
+    if problems and ambiguous:  # only then: keep the attributes the forward turns into a shape
+        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in ambiguous.items()}
+        kept = verify_fixups(model, probe, cap.graph, retrace)
+        ambiguous = {m: {k: ambiguous[m][k] for k in attrs} for m, attrs in kept.items()}
+    fixups, problems = resolve_fixups(fixups, ambiguous, check, problems)
     raise_mismatches(problems, model, tp)
     return fixups
 

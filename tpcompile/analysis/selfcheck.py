@@ -135,10 +135,13 @@ def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph) -> list[Mismatch
         if not isinstance(a.an.value.get(w), Feat):
             continue
         gv = g.meta.get("val")
-        if not isinstance(gv, torch.Tensor):
+        if not isinstance(gv, torch.Tensor) or gv.dim() != a.an.ndim(w):
             continue
+        # only dims that carry features are predicted; a broadcast dim (repeat_kv's copy
+        # count) may legitimately change with a fix-up
+        dims = [d for d in range(gv.dim()) if loc.carries(w, d)]
         expected = tuple(loc.size(w, d) for d in range(a.an.ndim(w)))
-        if tuple(gv.shape) != expected:
+        if any(gv.shape[d] != expected[d] for d in dims):
             out.append(Mismatch(innermost_module(w), str(getattr(w.target, "__name__", w.target)),
                                 expected, tuple(gv.shape)))
     return out
@@ -187,13 +190,14 @@ def resolve_fixups(
     fixups: Fixups,
     ambiguous: dict[str, dict[str, list[Any]]],
     check: Callable[[Fixups], list[Mismatch]],
+    problems: list[Mismatch],
 ) -> tuple[Fixups, list[Mismatch]]:
     """Pick a local value for each ambiguous attribute so the local trace matches.
 
     ``ambiguous[module][attr] = [global, [local candidates]]``.  The verified fix-ups go
-    first; assignments are tried with the fewest changed attributes first.
+    first (``problems``: what their own check found); assignments are tried with the
+    fewest changed attributes first.
     """
-    problems = check(fixups)
     if not problems or not ambiguous:
         return fixups, problems
     slots = [(m, attr, glob, [glob, *locs]) for m, attrs in ambiguous.items()
