@@ -284,6 +284,10 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
             new["head_dim"] = new["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
         if "qk_head_dim" in data:
             new["qk_head_dim"] = new.get("qk_nope_head_dim", 0) + new["qk_rope_head_dim"]
+    # A rotary width given in channels (GPT-J / CodeGen's rotary_dim) keeps its share of
+    # the head, rounded to an even count
+    if isinstance(data.get("rotary_dim"), int) and real_hd:
+        new["rotary_dim"] = max(2, (data["rotary_dim"] * hd // real_hd) // 2 * 2)
     # State-space mixers: rank of the step projection is derived from the width.
     width = new.get(hidden_key) if hidden_key else None
     for key in ("time_step_rank", "mamba_dt_rank"):
