@@ -14,6 +14,8 @@ import torch
 from tpcompile.analysis.propagate import Analysis, rule
 from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial
 
+from .pointwise import pointwise
+
 __all__ = ["REDUCE_RULES"]
 
 aten = torch.ops.aten
@@ -36,6 +38,8 @@ def _dims(arg: object, nd: int) -> list[int]:
     aten.prod, aten.any, aten.all, aten.var_mean, aten.topk, aten.sort, aten.cumsum,
 )
 def reduction(an: Analysis, node: torch.fx.Node) -> object:
+    if len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
+        return pointwise(an, node)  # max(a, b) / min(a, b) of two tensors: elementwise
     src = node.args[0]
     v = an.val(src)
     nd = an.ndim(src)

@@ -204,3 +204,26 @@ def test_self_check_catches_a_wrong_fixup() -> None:
     right = {m: dict(c) for m, c in fixups.items()}
     right[attn]["num_key_value_heads"] = [2, 1]
     assert check_local(model, a, cap.graph, right, **kw) == []
+
+
+class _MaxGate(torch.nn.Module):
+    """``torch.max(a, b)`` of two sharded activations: an op taking a tensor where its
+    reduction form takes a dim (once: ``'Node' object is not iterable``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(32, 64)
+        self.out = torch.nn.Linear(64, 32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        return self.out(torch.max(self.a(x), self.b(x)))
+
+
+def test_two_tensor_max_is_elementwise() -> None:
+    with torch.device("meta"):
+        model = _MaxGate()
+    roles = tpcompile.plan_model(model, tp=2).roles()
+    assert (roles["a.weight"], roles["b.weight"], roles["out.weight"]) == ("column", "column", "row")

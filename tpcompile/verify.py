@@ -344,7 +344,8 @@ def _generate(model: nn.Module, ref: nn.Module, batch: dict[str, torch.Tensor]) 
     name = ref.main_input_name
     prompt = batch[name][:1, :_PROMPT] if name == "input_ids" else batch[name][:1]
     config = ref.config
-    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    pad = getattr(config, "pad_token_id", None)  # not every config declares one (CodeGen)
+    pad = pad if pad is not None else getattr(config, "eos_token_id", None)
     kwargs = {name: prompt, "max_new_tokens": _NEW_TOKENS, "do_sample": False, "pad_token_id": pad}
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         kwargs["decoder_start_token_id"] = pad if pad is not None else 0  # T5/BART's convention
