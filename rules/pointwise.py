@@ -111,4 +111,24 @@ def elementwise(an: Analysis, node: torch.fx.Node) -> object:
     return pointwise(an, node)
 
 
-POINTWISE_RULES = [elementwise]
+@rule(aten.glu)
+def glu(an: Analysis, node: torch.fx.Node) -> object:
+    """``a * sigmoid(b)`` of the two halves of ``dim``: feature ``i`` meets ``i + half``."""
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return None
+    if not isinstance(v, Feat):
+        return None
+    atoms = an.aligned_to(v.atoms, an.ndim(src))
+    d = (node.args[1] if len(node.args) > 1 else -1) % atoms.ndim
+    if atoms.shape[d] == 1:
+        return Feat(atoms)
+    half = atoms.shape[d] // 2
+    a, b = np.take(atoms, range(half), axis=d), np.take(atoms, range(half, 2 * half), axis=d)
+    an.union(a, b)
+    return an.feat(np.where(a >= 0, a, b))
+
+
+POINTWISE_RULES = [elementwise, glu]

@@ -118,4 +118,39 @@ def layer_norm(an: Analysis, node: torch.fx.Node) -> object:
     return [out, None, None] if multi else out
 
 
-REDUCE_RULES = [reduction, softmax, layer_norm]
+@rule(aten.group_norm, aten.native_group_norm)
+def group_norm(an: Analysis, node: torch.fx.Node) -> object:
+    """Normalize each group of channels (dim 1) over itself and the positions: the
+    channels of one group are one unit; the per-channel weight and bias follow them
+    (wav2vec2's feature encoder: one group per channel, a channel-wise op)."""
+    src = node.args[0]
+    v = an.val(src)
+    native = getattr(node.target, "overloadpacket", None) is aten.native_group_norm
+    multi = [None, None, None] if native else None
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return multi
+    if not isinstance(v, Feat):
+        return multi
+    nd = an.ndim(src)
+    atoms = an.aligned_to(v.atoms, nd)
+    channels = an.shape(src)[1]
+    groups = node.args[6] if native else node.args[1]
+    weight, bias = (node.args[1], node.args[2]) if native else (
+        node.args[2] if len(node.args) > 2 else None, node.args[3] if len(node.args) > 3 else None)
+    if atoms.shape[1] != channels or any(s > 1 for i, s in enumerate(atoms.shape) if i != 1):
+        an.poison_node(node, "group norm over features that vary off the channel dim", v)
+        return multi
+    line = atoms.reshape(-1)
+    for g in line.reshape(int(groups), -1):
+        an.union_along(g.reshape(1, -1), [1])
+    for p in (weight, bias):
+        pv = an.val(p) if isinstance(p, torch.fx.Node) else None
+        if isinstance(pv, ParamRef):
+            ref = ParamRef(pv.fqn, (None, pv.dims[0]) + (None,) * (nd - 2), pv.is_buffer)
+            an.aligned.append(Aligned(node, ref, atoms, (1, channels) + (1,) * (nd - 2), True))
+    out = Feat(atoms)
+    return [out, None, None] if native else out
+
+
+REDUCE_RULES = [reduction, softmax, layer_norm, group_norm]

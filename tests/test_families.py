@@ -227,3 +227,28 @@ def test_two_tensor_max_is_elementwise() -> None:
         model = _MaxGate()
     roles = tpcompile.plan_model(model, tp=2).roles()
     assert (roles["a.weight"], roles["b.weight"], roles["out.weight"]) == ("column", "column", "row")
+
+
+class _BakedBlock(torch.nn.Module):
+    """``_Baked``'s attention as a submodule of a model that also has a splittable MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.attn = _Baked()
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.attn(input_ids) + self.emb(input_ids)
+        return self.down(torch.relu(self.up(h)))
+
+
+def test_non_strict_replicates_the_module_the_self_check_refuses() -> None:
+    with torch.device("meta"):
+        model = _BakedBlock()
+    with pytest.raises(TPError, match="fails in attn"):
+        tpcompile.plan_model(model, tp=2)
+    with pytest.warns(UserWarning, match="attn kept replicated"):
+        roles = tpcompile.plan_model(model, tp=2, strict=False).roles()
+    assert roles["attn.qkv.weight"] == "replicated" and roles["up.weight"] == "column", roles

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,7 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .analysis.fixups import find_fixups, verify_fixups
 from .analysis.propagate import Rule, RuleSet
 from .analysis.roles import Analyzed, analyze
-from .analysis.selfcheck import Mismatch, check_local, raise_mismatches, resolve_fixups
+from .analysis.selfcheck import (
+    Mismatch,
+    SelfCheckError,
+    check_local,
+    raise_mismatches,
+    resolve_fixups,
+)
 from .capture import Capture, capture
 from .errors import TPError
 from .plan import Plan, key_matches
@@ -26,6 +34,7 @@ from .translate import build_table
 __all__ = ["plan_model", "transform"]
 
 _BACKENDS = ("auto", "torch", "te")
+_SELF_CHECK_RETRIES = 4  # strict=False: modules replicated one by one until the check passes
 
 
 def _ruleset(rules: Iterable[Rule] | None) -> RuleSet:
@@ -63,13 +72,24 @@ def plan_model(
     t0 = time.perf_counter()
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
-    a = analyze(
-        cap.graph, _ruleset(rules), tp,
-        param_of_placeholder=cap.param_of_placeholder,
-        buffer_of_placeholder=cap.buffer_of_placeholder,
-        strict=strict, overrides=overrides,
-    )
-    fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
+    forced = dict(overrides or {})
+    for attempt in range(_SELF_CHECK_RETRIES + 1):
+        a = analyze(
+            cap.graph, _ruleset(rules), tp,
+            param_of_placeholder=cap.param_of_placeholder,
+            buffer_of_placeholder=cap.buffer_of_placeholder,
+            strict=strict, overrides=forced,
+        )
+        try:
+            fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
+            break
+        except SelfCheckError as err:
+            # non-strict: the module the localized model failed in stays replicated
+            if strict or not err.module or attempt == _SELF_CHECK_RETRIES:
+                raise
+            warnings.warn(f"tpcompile: {err.module} kept replicated: {err.first}", stacklevel=2)
+            forced[f"re:{re.escape(err.module)}\\..*"] = "replicated"
+            a.notes.append(f"{err.module} kept replicated (self-check: {err.first})")
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
     _check_overrides(plan, overrides)
     plan.stats = {

@@ -113,6 +113,11 @@ def _pairs(a: Analyzed, loc: Local) -> dict[str, dict[int, set[int]]]:
                 node.args[6] if len(node.args) > 6 else 1)
             if isinstance(groups, int) and groups > 1:  # depthwise: one group per channel
                 pairs[mod][groups].add(loc.size(node, 1))
+        elif packet in (aten.group_norm, aten.native_group_norm) and isinstance(an.value.get(node.args[0]), Feat):
+            groups = node.args[6] if packet is aten.native_group_norm else node.args[1]
+            channels = an.shape(node.args[0])[1]
+            if isinstance(groups, int) and groups > 1 and channels % groups == 0:
+                pairs[mod][groups].add(loc.size(node.args[0], 1) * groups // channels)
         elif packet is aten.slice and isinstance(an.value.get(node.args[0]), Feat):
             src = node.args[0]
             dim = node.args[1] % an.ndim(src)

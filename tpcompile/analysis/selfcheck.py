@@ -41,7 +41,7 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["Mismatch", "check_local", "raise_mismatches", "resolve_fixups"]
+__all__ = ["Mismatch", "SelfCheckError", "check_local", "raise_mismatches", "resolve_fixups"]
 
 Fixups = dict[str, dict[str, list[int]]]
 _MAX_TRIALS = 32
@@ -220,14 +220,24 @@ def resolve_fixups(
     return fixups, problems
 
 
+class SelfCheckError(TPError):
+    """The localized model does not match the plan; ``module`` is where it first fails."""
+
+    def __init__(self, message: str, module: str, first: str) -> None:
+        super().__init__(message)
+        self.module = module
+        self.first = first
+
+
 def raise_mismatches(problems: list[Mismatch], model: nn.Module, tp: int) -> None:
     if not problems:
         return
     listed = "; ".join(str(p) for p in problems[:3])
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    raise TPError(
+    raise SelfCheckError(
         f"tpcompile cannot split {type(model).__name__} over tp={tp} exactly: {listed}{more}. "
         "A size the model code computes from a global attribute or literal could not be made "
         "rank-local. Keep the module replicated with overrides={'re:<module>\\..*': 'replicated'}, "
-        "or try another tp."
+        "pass strict=False to do that automatically, or try another tp.",
+        problems[0].module, str(problems[0]),
     )
