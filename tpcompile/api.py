@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .analysis.fixups import find_fixups, verify_fixups
-from .analysis.propagate import Rule, RuleSet
+from .analysis.propagate import Rule, RuleSet, module_path
 from .analysis.roles import Analyzed, analyze
 from .analysis.selfcheck import (
     Mismatch,
@@ -25,6 +25,7 @@ from .analysis.selfcheck import (
     raise_mismatches,
     resolve_fixups,
 )
+from .analysis.state import Feat, Partial
 from .capture import Capture, capture
 from .errors import TPError
 from .plan import Plan, key_matches
@@ -73,13 +74,18 @@ def plan_model(
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
     forced = dict(overrides or {})
+
+    def run(cap: Capture) -> Analyzed:
+        return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
+                       buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced)
+
     for attempt in range(_SELF_CHECK_RETRIES + 1):
-        a = analyze(
-            cap.graph, _ruleset(rules), tp,
-            param_of_placeholder=cap.param_of_placeholder,
-            buffer_of_placeholder=cap.buffer_of_placeholder,
-            strict=strict, overrides=forced,
-        )
+        a = run(cap)
+        if _crosses_cut_blocks(a, cap):
+            # one traced block stands for its copies only if no sharded value crosses a
+            # block boundary (a conv stack without norms alternates column and row)
+            cap = capture(model, example_kwargs=example_inputs, cut_stacks=False)
+            a = run(cap)
         try:
             fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
             break
@@ -99,6 +105,30 @@ def plan_model(
         "traced_blocks": cap.stacks.traced_len,
     }
     return plan
+
+
+def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
+    """Does a sharded activation (features or a partial sum) enter or leave a block of a
+    stack the capture cut short?  Then the blocks it stands for may need other roles."""
+    cut = [stack for stack, reps in cap.stacks.members.items() if cap.stacks.traced_len[stack] < len(reps)]
+    if not cut:
+        return False
+
+    def block(node: fx.Node) -> str | None:
+        for path in module_path(node):
+            for stack in cut:
+                head, _, rest = path.partition(stack + ".")
+                if not head and rest:
+                    return f"{stack}.{rest.split('.')[0]}"
+        return None
+
+    for node, value in a.an.value.items():
+        if not isinstance(value, Feat | Partial):
+            continue
+        here = block(node)
+        if any(block(u) != here for u in node.users if u.op == "call_function"):
+            return True
+    return False
 
 
 def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
