@@ -258,6 +258,7 @@ def test_cli_surface_frozen() -> None:
     assert [a.dest for a in subs["verify"]._actions if not a.option_strings] == ["model"]
 
 
+@pytest.mark.slow  # spawns processes
 def test_demo_subprocess() -> None:
     start = time.perf_counter()
     proc = subprocess.run(

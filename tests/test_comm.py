@@ -138,6 +138,7 @@ def _collectives_worker(rank: int, world: int) -> None:
     _check_megatron_mlp(rank, world)
 
 
+@pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_match_single_process_math(world: int) -> None:
     run_distributed(_collectives_worker, world)
@@ -166,6 +167,7 @@ def _size_one_worker(rank: int, world: int) -> None:
     torch.testing.assert_close(x.grad, logits.grad)
 
 
+@pytest.mark.slow  # spawns processes
 def test_size_one_group_is_a_no_op() -> None:
     run_distributed(_size_one_worker, 2)
 
@@ -224,6 +226,7 @@ def _loss_worker(rank: int, world: int) -> None:
             _check_vocab_parallel_ce(rank, world, vocab_size, padded, reduction, seed)
 
 
+@pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_cross_entropy_matches_full_cross_entropy(world: int) -> None:
     run_distributed(_loss_worker, world)
@@ -291,6 +294,7 @@ def _loss_extras_worker(rank: int, world: int) -> None:
     _check_bad_labels(rank, world)
 
 
+@pytest.mark.slow  # spawns processes
 def test_causal_lm_loss_bf16_and_label_checks() -> None:
     run_distributed(_loss_extras_worker, 2)
 
@@ -330,6 +334,7 @@ def _failing_worker(rank: int, world: int) -> None:
     assert rank == 0, f"deliberate failure on rank {rank}"
 
 
+@pytest.mark.slow  # spawns processes
 def test_run_distributed_propagates_child_failures() -> None:
     with pytest.raises(AssertionError, match="deliberate failure on rank 1"):
         run_distributed(_failing_worker, 2)

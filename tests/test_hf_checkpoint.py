@@ -243,6 +243,7 @@ tpcompile.save_pretrained(model, out, max_shard_size="40KB")
 """
 
 
+@pytest.mark.slow  # spawns processes
 def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
 
     from transformers import AutoModelForCausalLM

@@ -163,6 +163,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # spawns processes
 def test_killed_async_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     kill_at_marker(["-c", _KILLED_ASYNC, str(tmp_path), str(Path(__file__).parent), str(free_port())])
     assert ckpt.latest(tmp_path) == tmp_path / "step-00000001"
