@@ -114,14 +114,9 @@ def elementwise(an: Analysis, node: torch.fx.Node) -> object:
 @rule(aten.glu)
 def glu(an: Analysis, node: torch.fx.Node) -> object:
     """``a * sigmoid(b)`` of the two halves of ``dim``: feature ``i`` meets ``i + half``."""
-    src = node.args[0]
-    v = an.val(src)
-    if isinstance(v, Partial):
-        an.reduce_partials(node)
+    atoms = an.input_atoms(node)
+    if atoms is None:
         return None
-    if not isinstance(v, Feat):
-        return None
-    atoms = an.aligned_to(v.atoms, an.ndim(src))
     d = (node.args[1] if len(node.args) > 1 else -1) % atoms.ndim
     if atoms.shape[d] == 1:
         return Feat(atoms)

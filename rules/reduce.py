@@ -80,33 +80,22 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
 
 @rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.special_softmax)
 def softmax(an: Analysis, node: torch.fx.Node) -> object:
-    src = node.args[0]
-    v = an.val(src)
-    if isinstance(v, Partial):
-        an.reduce_partials(node)
+    atoms = an.input_atoms(node)
+    if atoms is None:
         return None
-    if not isinstance(v, Feat):
-        return None
-    nd = an.ndim(src)
-    atoms = an.aligned_to(v.atoms, nd)
-    an.union_along(atoms, [node.args[1] % nd])
+    an.union_along(atoms, [node.args[1] % atoms.ndim])
     return Feat(atoms)
 
 
 @rule(aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm)
 def layer_norm(an: Analysis, node: torch.fx.Node) -> object:
-    src = node.args[0]
-    v = an.val(src)
     packet = getattr(node.target, "overloadpacket", node.target)
     multi = packet in (aten.native_layer_norm, aten._fused_rms_norm)
-    if isinstance(v, Partial):
-        an.reduce_partials(node)
+    atoms = an.input_atoms(node)
+    if atoms is None:
         return [None, None, None] if multi else None
-    if not isinstance(v, Feat):
-        return [None, None, None] if multi else None
-    nd = an.ndim(src)
+    nd = atoms.ndim
     k = len(node.args[1])
-    atoms = an.aligned_to(v.atoms, nd)
     an.union_along(atoms, list(range(nd - k, nd)))
     for p in node.args[2:4]:
         pv = an.val(p)
@@ -123,23 +112,18 @@ def group_norm(an: Analysis, node: torch.fx.Node) -> object:
     """Normalize each group of channels (dim 1) over itself and the positions: the
     channels of one group are one unit; the per-channel weight and bias follow them
     (wav2vec2's feature encoder: one group per channel, a channel-wise op)."""
-    src = node.args[0]
-    v = an.val(src)
     native = getattr(node.target, "overloadpacket", None) is aten.native_group_norm
     multi = [None, None, None] if native else None
-    if isinstance(v, Partial):
-        an.reduce_partials(node)
+    atoms = an.input_atoms(node)
+    if atoms is None:
         return multi
-    if not isinstance(v, Feat):
-        return multi
-    nd = an.ndim(src)
-    atoms = an.aligned_to(v.atoms, nd)
-    channels = an.shape(src)[1]
+    nd = atoms.ndim
+    channels = an.shape(node.args[0])[1]
     groups = node.args[6] if native else node.args[1]
     weight, bias = (node.args[1], node.args[2]) if native else (
         node.args[2] if len(node.args) > 2 else None, node.args[3] if len(node.args) > 3 else None)
     if atoms.shape[1] != channels or any(s > 1 for i, s in enumerate(atoms.shape) if i != 1):
-        an.poison_node(node, "group norm over features that vary off the channel dim", v)
+        an.poison_node(node, "group norm over features that vary off the channel dim", Feat(atoms))
         return multi
     line = atoms.reshape(-1)
     for g in line.reshape(int(groups), -1):

@@ -284,6 +284,16 @@ class Analysis:
         if any(flags):
             self.uniform[node] = tuple(flags)
 
+    def input_atoms(self, node: fx.Node) -> np.ndarray | None:
+        """Atoms of ``node``'s first argument at its full rank, for an op that needs whole
+        values: a partial sum is reduced first.  ``None``: nothing sharded comes in."""
+        src = node.args[0]
+        v = self.val(src)
+        if isinstance(v, Partial):
+            self.reduce_partials(node)
+            return None
+        return self.aligned_to(v.atoms, self.ndim(src)) if isinstance(v, Feat) else None
+
     def shares(self, node: fx.Node, operand: Any, atoms: np.ndarray) -> None:
         """``operand``, a replicated activation, is used by every rank alongside the
         sharded features ``atoms`` (broadcast into them, multiplied with them): each
