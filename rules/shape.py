@@ -127,6 +127,58 @@ def repeat_interleave(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(copies.reshape(shape))
 
 
+@rule(aten.repeat)
+def repeat(an: Analysis, node: torch.fx.Node) -> object:
+    """Tiling (``x.repeat(1, heads, 1, 1)``): each tile of a feature dim is a replica."""
+    src, repeats = node.args[0], list(node.args[1])
+    v = an.val(src)
+    if isinstance(v, Partial) or not isinstance(v, Feat):
+        return v if isinstance(v, Partial) else None
+    nd = len(repeats)
+    atoms = an.aligned_to(v.atoms, nd)
+    for d, r in enumerate(repeats):
+        if r > 1 and atoms.shape[d] > 1:
+            an.replicated_bases.append(atoms.reshape(-1).copy())
+            atoms = np.concatenate([an.atoms.replicas(atoms) for _ in range(r)], axis=d)
+    return an.feat(atoms)
+
+
+@rule(aten.pad, aten.constant_pad_nd)
+def pad(an: Analysis, node: torch.fx.Node) -> object:
+    """Padding adds positions that carry no feature (Mamba-2's chunked scan pads the
+    sequence); only a constant pad is that — reflecting a feature dim is refused."""
+    src, widths = node.args[0], list(node.args[1])
+    v = an.val(src)
+    if getattr(node.target, "overloadpacket", None) is aten.constant_pad_nd:  # (x, pad, value)
+        constant, value = True, node.args[2] if len(node.args) > 2 else 0
+    else:  # aten.pad: (x, pad, mode, value)
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+        constant = mode == "constant"
+    if isinstance(v, Partial):
+        if constant and not value:
+            return v  # zero padding is linear: still a partial sum
+        an.reduce_partials(node)
+        return None
+    if not isinstance(v, Feat):
+        return None
+    atoms = an.aligned_to(v.atoms, an.ndim(src))
+    for i in range(len(widths) // 2):
+        d = atoms.ndim - 1 - i
+        left, right = widths[2 * i], widths[2 * i + 1]
+        if (left or right) and atoms.shape[d] > 1:
+            if not constant or left < 0 or right < 0:
+                an.poison_node(node, "non-constant padding of a sharded feature dim", v)
+                return None
+            shape = list(atoms.shape)
+            pieces = []
+            for width in (left, right):
+                shape[d] = width
+                pieces.append(np.full(shape, -1, dtype=np.int64))
+            atoms = np.concatenate([pieces[0], atoms, pieces[1]], axis=d)
+    return an.feat(atoms)
+
+
 @rule(aten.permute, aten.transpose, aten.t, aten.swapaxes, aten.movedim, aten.numpy_T)
 def permute(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
@@ -302,4 +354,4 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.concatenate(full, axis=dim))
 
 
-SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, permute, unsqueeze, squeeze, slice_, select, split, getitem, cat]
+SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze, slice_, select, split, getitem, cat]

@@ -252,3 +252,35 @@ def test_non_strict_replicates_the_module_the_self_check_refuses() -> None:
     with pytest.warns(UserWarning, match="attn kept replicated"):
         roles = tpcompile.plan_model(model, tp=2, strict=False).roles()
     assert roles["attn.qkv.weight"] == "replicated" and roles["up.weight"] == "column", roles
+
+
+class _PadScan(torch.nn.Module):
+    """Sharded channels padded along the sequence (a chunked scan's padding) and tiled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.emb(input_ids))                       # (B, S, 64): channels sharded
+        s = h.shape[1]
+        h = torch.nn.functional.pad(h, (0, 0, 0, 3))[:, :s]     # pad the sequence, cut it back
+        h = h.repeat(1, 2, 1)[:, s:]                            # tile the sequence, keep one copy
+        return self.down(torch.relu(h))
+
+
+def test_padding_and_tiling_off_the_feature_dim_keep_the_split() -> None:
+    from transformers import AutoConfig
+
+    from tpcompile.verify import build_small_model
+
+    with torch.device("meta"):
+        model = _PadScan()
+    roles = tpcompile.plan_model(model, tp=2).roles()
+    assert (roles["up.weight"], roles["down.weight"]) == ("column", "row"), roles
+    # WavLM tiles its relative position bias with repeat(): refused before (no rule); now
+    # planned, its gated attention kept replicated and its feed-forward split
+    wavlm = tpcompile.plan_model(build_small_model(AutoConfig.for_model("wavlm"), tp=2), tp=2)
+    assert wavlm.params["encoder.layers.0.feed_forward.intermediate_dense.weight"].role.value == "column"
