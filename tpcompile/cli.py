@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
+from .cost import human_bytes
 from .errors import TPError
 from .plan import Plan
 
@@ -317,14 +318,6 @@ def _collapse(items: Iterable[tuple[str, Any]]) -> list[_Group]:
 # ---------------------------------------------------------------------------------
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _numel(shape: Sequence[int]) -> int:
     total = 1
     for dim in shape:
@@ -366,7 +359,7 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
         if p.tied_to:
             name += f" (tied: {', '.join(p.tied_to)})"
         shapes = f"{_shape(p.global_shape)} → {_shape(p.local_shape)}"
-        rows.append([name, p.role.value, shapes, p.layout, _human_bytes(size)])
+        rows.append([name, p.role.value, shapes, p.layout, human_bytes(size)])
     return rows, total
 
 
@@ -381,7 +374,7 @@ def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], 
     stats = plan.stats
     out += [
         "",
-        f"parameters per rank: {_human_bytes(total_bytes)} ({total_bytes:,} bytes)",
+        f"parameters per rank: {human_bytes(total_bytes)} ({total_bytes:,} bytes)",
         f"tp: {plan.tp}",
         f"time: build (incl. imports) {timing['build_s']:.2f} s, capture {stats.get('capture_s', 0.0):.2f} s, "
         f"analysis {stats.get('analysis_s', 0.0):.2f} s, "
@@ -443,5 +436,5 @@ def _cmd_translate(args: argparse.Namespace) -> int:
     except TPError as exc:
         return _fail(str(exc))
     print(f"translate: {info['kind']} checkpoint {args.src} → {info['out']}: {info['tensors']} tensors, "
-          f"{info['files']} file(s), {_human_bytes(info['bytes'])} in {info['seconds']:.1f} s")
+          f"{info['files']} file(s), {human_bytes(info['bytes'])} in {info['seconds']:.1f} s")
     return _EXIT_OK

@@ -49,7 +49,7 @@ from .errors import TPError
 from .loss import vocab_parallel_ce_collectives
 from .plan import ModulePlan, ParamPlan, Plan, Role
 
-__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "render_modules", "render_summary",
+__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "human_bytes", "render_modules", "render_summary",
            "trace_collectives"]
 
 # every collective name the cost section may report (torch.distributed functions)
@@ -512,7 +512,8 @@ def _issue_dict(i: Issue) -> dict[str, Any]:
             "what": i.what}
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in B / KiB / MiB / GiB / TiB, for tables."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -576,17 +577,17 @@ def render_summary(cost: dict[str, Any]) -> str:
             if not v["count"]:
                 continue
             if tokens is None:
-                size = f"{_human(v['bytes_per_token'])}/token" + \
-                    (f" + {_human(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
+                size = f"{human_bytes(v['bytes_per_token'])}/token" + \
+                    (f" + {human_bytes(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
             else:
-                size = _human(v["bytes"])
+                size = human_bytes(v["bytes"])
             parts.append(f"{v['count']} {op} {size}")
         phases.append(f"{'fwd' if phase == 'forward' else 'bwd'} {', '.join(parts) or 'none'}")
     mem = cost["memory_per_rank"]
     act = "activations need --batch/--seq" if tokens is None else \
-        "activations n/a" if mem["activations"] is None else f"activations {_human(mem['activations'])}"
+        "activations n/a" if mem["activations"] is None else f"activations {human_bytes(mem['activations'])}"
     head = f"per step, {cost['batch']}×{cost['seq']} tokens per rank" if tokens is not None else \
         "per step (bytes per token; --batch/--seq for totals)"
-    return (f"{head}: {'; '.join(phases)}; memory per rank {_human(mem['total'])} = params "
-            f"{_human(mem['parameters'])} + grads {_human(mem['gradients'])} + AdamW "
-            f"{_human(mem['adamw_states'])} + {act}")
+    return (f"{head}: {'; '.join(phases)}; memory per rank {human_bytes(mem['total'])} = params "
+            f"{human_bytes(mem['parameters'])} + grads {human_bytes(mem['gradients'])} + AdamW "
+            f"{human_bytes(mem['adamw_states'])} + {act}")
