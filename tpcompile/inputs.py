@@ -147,9 +147,7 @@ def example_inputs(
     if config is None:
         if name != "input_ids":
             raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
-        gen_ids = generator and torch.randint(0, 2, (batch, seq), generator=generator)
-        first = next(iter(params), "input_ids")
-        return {first: gen_ids if gen_ids is not None else torch.zeros(batch, seq, dtype=torch.long, device=device)}
+        return {next(iter(params), "input_ids"): _token_ids(config, batch, seq, device, generator)}
     out = {name: _main_input(name, config, batch, seq, dtype, device, generator)}
     if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
         start = getattr(config, "decoder_start_token_id", None)
