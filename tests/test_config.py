@@ -168,7 +168,6 @@ def test_hybrid_shards_within_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"tensor_parallel_degree": 2, "fsdp_offload_params": True}, {}, r"mixes smp keys with accelerate keys"),
     ({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False}, {}, "disagree"),
     ({"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_reshard_after_forward": False}, {}, "contradicts"),
-    ({"expert_parallel_degree": 2}, {}, "only 1 is supported: expert parallelism"),
     ({"context_parallel_degree": 4}, {}, "context parallelism is not implemented"),
     ({"parallelism_config": {"parallelism_config_cp_size": 2}}, {}, "context parallelism"),
     ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, {}, "SIZE_BASED_WRAP are not supported"),

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .analysis.experts import expert_plans
 from .analysis.fixups import find_fixups, verify_fixups
 from .analysis.propagate import Rule, RuleSet, module_path
 from .analysis.roles import Analyzed, analyze
@@ -53,13 +54,17 @@ def plan_model(
     overrides: dict[str, str] | None = None,
     strict: bool = True,
     example_inputs: dict[str, Any] | None = None,
+    ep: int = 1,
 ) -> Plan:
     """Decide how to split ``model`` over ``tp`` ranks, without touching it.
 
     Needs no process group and no weights: build the model on the meta device to plan a
     405B model on a laptop.  ``example_inputs`` is one batch of keyword arguments the
     forward accepts; by default it is built from the model itself
-    (:func:`tpcompile.inputs.example_inputs`).
+    (:func:`tpcompile.inputs.example_inputs`).  The stacked-experts modules of a MoE
+    model are recorded in ``plan.experts`` whatever ``ep``; with ``ep > 1`` (expert
+    parallelism, applied by :func:`tpcompile.parallelize`) the expert count must divide
+    by it and the attributes holding it are found.
 
     Example:
         >>> with torch.device("meta"):
@@ -70,6 +75,8 @@ def plan_model(
     """
     if not isinstance(tp, int) or tp < 1:
         raise TPError(f"tp must be a positive integer, got {tp!r}")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise TPError(f"ep must be a positive integer, got {ep!r}")
     t0 = time.perf_counter()
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
@@ -97,6 +104,9 @@ def plan_model(
             forced[f"re:{re.escape(err.module)}\\..*"] = "replicated"
             a.notes.append(f"{err.module} kept replicated (self-check: {err.first})")
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
+    plan.ep = ep
+    plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
+                                retrace=lambda: capture(model, example_kwargs=example_inputs).graph)
     _check_overrides(plan, overrides)
     plan.stats = {
         "capture_s": round(t1 - t0, 4),
@@ -228,6 +238,7 @@ def transform(
     strict: bool = True,
     load_state_dict_from_rank0: bool = False,
     example_inputs: dict[str, Any] | None = None,
+    ep: int = 1,
 ) -> nn.Module:
     """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
 
@@ -252,6 +263,9 @@ def transform(
             have built the model on the meta device; rank 0 sends each rank its shards.
         example_inputs: one batch of keyword arguments the forward accepts, to trace
             with; default: built from the model (``main_input_name`` and config sizes).
+        ep: the expert-parallel degree to plan for (``plan.experts``); the experts are
+            split over ep ranks by :func:`tpcompile.parallelize`, transform keeps every
+            expert and splits each over tp.
 
     The result carries ``model.tpcompile_plan`` (the :class:`Plan`) and
     ``model.tpcompile_table`` (the :class:`~tpcompile.translate.TranslationTable`
@@ -268,7 +282,7 @@ def transform(
     tp_mesh = _resolve_mesh(model, tp, mesh)
     be = _backend(backend, tp_mesh)
     plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides,
-                      strict=strict, example_inputs=example_inputs)
+                      strict=strict, example_inputs=example_inputs, ep=ep)
     table = build_table(model, plan)
     full = None
     if load_state_dict_from_rank0 and dist.get_rank() == 0:

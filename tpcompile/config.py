@@ -131,6 +131,7 @@ class ParallelConfig:
     tp: int = 1
     dp_shard: int = -1
     dp_replicate: int = 1
+    ep: int = 1  # expert parallelism: carved from dp_shard (dp_shard = efsdp x ep)
     sharding_strategy: Sharding = Sharding.FULL_SHARD
     mixed_precision: MixedPrecisionPolicy | None = None
     cpu_offload: bool = False
@@ -152,6 +153,7 @@ class ParallelConfig:
         object.__setattr__(self, "mixed_precision", mixed_precision_policy(self.mixed_precision))
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
         _check_int("tp", self.tp, minimum=1)
+        _check_int("ep", self.ep, minimum=1)
         _check_int("dp_shard", self.dp_shard, minimum=-1, forbid=0)
         _check_int("dp_replicate", self.dp_replicate, minimum=-1, forbid=0)
         _check_int("loading_horizon", self.loading_horizon, minimum=1)
@@ -206,6 +208,11 @@ class ParallelConfig:
         if rep * shard * self.tp != world_size:
             raise TPError(f"dp_replicate={rep} x dp_shard={shard} x tp={self.tp} = {rep * shard * self.tp} "
                           f"ranks, but the world has {world_size}; use -1 for one of the dp degrees")
+        if shard % self.ep:
+            ok = [e for e in range(1, shard + 1) if shard % e == 0]
+            raise TPError(f"ep={self.ep} must divide dp_shard={shard} (expert-parallel ranks are carved from "
+                          f"the data-parallel shard ranks that share a tp rank); ep values that work: {ok}, "
+                          f"or raise dp_shard")
         if rep > 1:
             strategy = strategy.hybrid_form()
         return replace(self, dp_shard=shard, dp_replicate=rep, sharding_strategy=strategy)
@@ -360,8 +367,7 @@ SMP_KEYS: dict[str, Rule] = {
                                      "tpcompile keeps one RNG stream per TP group (random_seed), so "
                                      "dropout on sharded activations draws the same pattern on each "
                                      "TP rank: exact without active dropout", _int),
-    "expert_parallel_degree": Only(1, "expert parallelism is not implemented; tpcompile shards "
-                                      "each expert over tp instead"),
+    "expert_parallel_degree": _to("ep", _int),
     "context_parallel_degree": Only(1, "context parallelism is not implemented"),
     "fsdp_cache_flush_warnings": NoEffect("SMP's warnings about CUDA cache flushes inside its FSDP; "
                                           "tpcompile adds no allocator logging", _bool),

@@ -64,6 +64,7 @@ def parallelize(
     tp: int = 1,
     dp_shard: int = -1,
     dp_replicate: int = 1,
+    ep: int = 1,
     sharding_strategy: str = "FULL_SHARD",
     mixed_precision: Any = None,
     cpu_offload: bool = False,
@@ -81,6 +82,10 @@ def parallelize(
         tp: tensor-parallel degree (1: FSDP2 only).
         dp_shard: FSDP2 sharding degree; ``-1`` = the rest of the world.
         dp_replicate: replicas (HSDP) across which each shard group is copied.
+        ep: expert-parallel degree for MoE models: each rank holds ``1/ep`` of the
+            experts, tokens are routed to them with all-to-all. Carved from the
+            ``dp_shard`` ranks (``dp_shard = efsdp x ep``); see
+            :mod:`tpcompile.expert_parallel`.
         sharding_strategy: ``FULL_SHARD`` (reshard after forward), ``SHARD_GRAD_OP`` (keep
             params gathered until backward), ``NO_SHARD`` (pure replication),
             ``HYBRID_SHARD`` / ``HYBRID_SHARD_ZERO2`` (shard within ``dp_shard``,
@@ -125,7 +130,7 @@ def parallelize(
         ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         >>> model = tpcompile.parallelize(model, tp=2, load_from=path)
     """
-    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, sharding_strategy=sharding_strategy,
+    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, sharding_strategy=sharding_strategy,
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing,
                  activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed)
@@ -154,13 +159,13 @@ def parallelize(
     if cfg.tp > 1:
         from .api import transform
 
-        transform(model, cfg.tp, mesh=mesh["tp"])
-        blocks = list(model.tpcompile_plan.blocks)
+        transform(model, cfg.tp, mesh=mesh["tp"], ep=cfg.ep)
+        plan = model.tpcompile_plan
     else:
         from .api import plan_model
         from .translate import build_table
 
-        blocks = list(plan_model(model, 1).blocks)
+        plan = plan_model(model, 1, ep=cfg.ep)
         # the tp=1 translation table (every tensor whole), taken while names and shapes
         # are still the HF ones: load_hf_weights, hf_state_dict, save_pretrained and
         # the training checkpoints need one, and transform only builds it for tp > 1
@@ -168,7 +173,13 @@ def parallelize(
         from .checkpoint.hf_methods import bind_save_pretrained
 
         bind_save_pretrained(model)  # transform binds it for tp > 1
+    blocks = list(plan.blocks)
     _check_wrap_classes(model, blocks, cfg.wrap_classes)
+    # 1b. expert parallelism: this rank's experts, all-to-all dispatch around the experts'
+    #     forward (inside TP's hooks), on the 4-D mesh (dp_replicate, efsdp, ep, tp)
+    experts: list[nn.Module] = []
+    if cfg.ep > 1:
+        experts = _shard_experts(model, plan, mesh, cfg.ep)
 
     # 2. activation checkpointing, then offloading, before FSDP so that FSDP's hooks end
     #    up outermost and TP's innermost (the nesting is explained in activations.py)
@@ -182,7 +193,7 @@ def parallelize(
                 model, blocks, loading_horizon=cfg.loading_horizon)
 
     # 3. FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest
-    _fully_shard(model, blocks, cfg, mesh, device)
+    _fully_shard(model, blocks, cfg, mesh, device, experts)
 
     # 4. materialize a meta model (or take rank 0's weights, or read each rank's rows of
     #    an HF checkpoint): shards only, per tensor. The checkpoint code finds the TP
@@ -241,8 +252,20 @@ def _check_wrap_classes(model: nn.Module, blocks: list[str], wanted: tuple[str, 
                       f"(its FSDP units) are of class {found}; set it to {','.join(found)} or drop it")
 
 
+def _shard_experts(model: nn.Module, plan: Any, mesh: DeviceMesh, ep: int) -> list[nn.Module]:
+    from .expert_parallel import expert_mesh, shard_experts
+
+    if not plan.experts:
+        raise TPError(f"ep={ep} but tpcompile found no stacked experts in {type(model).__name__} (3-D "
+                      "parameters indexed by a router's top-k); expert parallelism is for MoE models: "
+                      "drop ep")
+    mesh4 = expert_mesh(mesh, ep)
+    model.tpcompile_expert_mesh = mesh4
+    return shard_experts(model, plan.experts, mesh4)
+
+
 def _fully_shard(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
-                 device: str) -> None:
+                 device: str, experts: list[nn.Module] = ()) -> None:
     # a 2-D (replicate, shard) mesh is HSDP; NO_SHARD is HSDP with shard groups of 1
     dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else mesh["dp_shard"]
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": cfg.reshard_after_forward}
@@ -250,6 +273,16 @@ def _fully_shard(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh:
         kwargs["mp_policy"] = cfg.mixed_precision
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")  # pinning needs CUDA
+    if experts:
+        # each experts module is its own unit, sharded over efsdp only (ep already split
+        # it), inside its block's unit (torchtitan's nesting). Its gradient sums every
+        # token of the EP group; divided by the whole dp degree it matches the mean the
+        # dense parameters get
+        mesh4 = model.tpcompile_expert_mesh
+        emesh = mesh4["dp_replicate", "efsdp"] if cfg.dp_replicate > 1 else mesh4["efsdp"]
+        for module in experts:
+            fully_shard(module, **{**kwargs, "mesh": emesh})
+            module.set_gradient_divide_factor(float(cfg.dp_replicate * cfg.dp_shard))
     for fqn in blocks:
         fully_shard(model.get_submodule(fqn), **kwargs)
     fully_shard(model, **kwargs)

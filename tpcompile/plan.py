@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "PLAN_VERSION", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs", "key_matches",
+    "PLAN_VERSION", "ExpertsPlan", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs", "key_matches",
     "runs_to_index", "select_rows",
 ]
 
@@ -128,6 +128,21 @@ class ModulePlan:
 
 
 @dataclass(kw_only=True)
+class ExpertsPlan:
+    """One stacked-experts module found from the dataflow (``tpcompile.analysis.experts``).
+
+    Under expert parallelism over ``ep`` ranks, each rank holds experts
+    ``[r * E/ep, (r+1) * E/ep)`` of every parameter in ``params`` (dim 0) and the
+    module's attributes in ``size_attrs`` (``attr -> [E, E/ep]``, e.g. ``num_experts``)
+    read their local value while it runs."""
+
+    fqn: str
+    num_experts: int
+    params: list[str] = field(default_factory=list)  # names local to the module
+    size_attrs: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class Plan:
     """Everything ``transform`` decided for one model at one ``tp``.
 
@@ -144,6 +159,9 @@ class Plan:
     loss_parallel: bool = False
     # the repeated transformer blocks the capture found (FSDP wrap units, checkpoint units)
     blocks: list[str] = field(default_factory=list)
+    # stacked-experts modules (every MoE layer), and the expert-parallel degree planned for
+    experts: dict[str, ExpertsPlan] = field(default_factory=dict)
+    ep: int = 1
     warnings: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -166,9 +184,10 @@ class Plan:
             raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
         params = {k: ParamPlan(**{**v, "role": Role(v["role"])}) for k, v in d["params"].items()}
         modules = {k: ModulePlan(**v) for k, v in d["modules"].items()}
+        experts = {k: ExpertsPlan(**v) for k, v in d.get("experts", {}).items()}
         # "cost" (dump-plan's derived section, tpcompile.cost) is recomputed, not stored
-        rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost")}
-        return cls(params=params, modules=modules, **rest)
+        rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost", "experts")}
+        return cls(params=params, modules=modules, experts=experts, **rest)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -1,0 +1,203 @@
+"""Expert parallelism: experts split over ep ranks, tokens routed with all-to-all.
+
+Every case is compared with one process running the same model on the whole global
+batch (each data-parallel rank takes its slice; losses are token means): the loss and
+*every* gradient (gathered back to the HF layout) to 1e-5 in fp32, then a few AdamW
+steps.  mixtral, qwen3_moe and qwen2_moe (a shared expert beside the routed ones) run at
+ep=2 (world 2, tp=1) and ep=2 x tp=2 (world 4); the checkpoint cases share the world-2
+launch.  Fast unit tests cover detection from the dataflow and the config errors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dist import global_step, run_distributed
+from torch.distributed.tensor import DTensor
+
+import tpcompile
+from tpcompile.errors import TPError
+
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+STEPS = 3
+REL = 1e-5
+_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+               vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_CONFIGS = {
+    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(moe_intermediate_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                      head_dim=16, decoder_sparse_step=1, norm_topk_prob=True),
+    "qwen2_moe": dict(moe_intermediate_size=32, intermediate_size=64, shared_expert_intermediate_size=48,
+                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+}
+
+
+def _config(family: str, **extra: int) -> object:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **{**_COMMON, **_CONFIGS[family], **extra})
+
+
+def _build(family: str, meta: bool = False, **extra: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = _config(family, **extra)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 256, (4, 9), generator=g) for _ in range(STEPS)]
+
+
+@functools.cache
+def _reference(family: str) -> dict:
+    """One process, whole batch: the first step's loss and gradients, then AdamW losses."""
+    model = _build(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step, ids in enumerate(_batches()):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads}
+
+
+def _hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient as the HF-layout tensor (collective: every rank calls)."""
+    table, tp = model.tpcompile_table, model.tpcompile_parallel.tp
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        tmap = table.tensors.get(name)
+        if tmap is not None and tmap.sharded:  # the TP layout back to HF rows
+            full = tmap.to_hf(list(full.chunk(tp, dim=tmap.shard_dim)))
+        out[name] = full
+    return out
+
+
+def _train_case(family: str, layout: dict) -> dict:
+    model = _build(family)
+    tpcompile.parallelize(model, **layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from tpcompile.fsdp import data_parallel_rank
+
+    rank, size = data_parallel_rank(model)
+    losses, grads = [], {}
+    for step, ids in enumerate(_batches()):
+        if step == 0:  # the gradients of the first step, before the optimizer moves anything
+            local = ids.chunk(size)[rank]
+            loss = model(local, labels=local).loss
+            loss.backward()
+            grads = _hf_grads(model)
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            losses.append(mean.item() / torch.distributed.get_world_size())
+        else:
+            losses.append(global_step(model, opt, ids))
+    experts = model.tpcompile_plan.experts if hasattr(model, "tpcompile_plan") else None
+    p = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    return {"losses": losses, "grads": grads, "experts": experts is None or bool(experts),
+            "expert_param": (tuple(p.shape), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)}
+
+
+def _session(rank: int, world: int, cases: list[tuple[str, dict]]) -> dict:
+    return {f"{fam}/{i}": _train_case(fam, layout) for i, (fam, layout) in enumerate(cases)}
+
+
+def _check_training(results: list[dict], key: str) -> None:
+    family = key.split("/")[0]
+    ref = _reference(family)
+    for r in results:
+        got = r[key]
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) <= REL * abs(b), f"{key} step {step}: {a} vs {b}"
+        assert set(got["grads"]) == set(ref["grads"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=REL, atol=REL, msg=lambda m, n=name: f"{key} {n}: {m}")
+
+
+@pytest.mark.slow
+def test_world2_ep2_matches_single_process() -> None:
+    cases = [(fam, dict(ep=2)) for fam in FAMILIES]
+    results = run_distributed(_session, 2, cases)
+    for i, fam in enumerate(FAMILIES):
+        _check_training(results, f"{fam}/{i}")
+        global_shape, local_shape, dims = results[0][f"{fam}/{i}"]["expert_param"]
+        assert global_shape[0] == 4 and local_shape[0] == 2, (global_shape, local_shape)
+
+
+@pytest.mark.slow
+def test_world4_ep2_tp2_matches_single_process() -> None:
+    cases = [(fam, dict(tp=2, ep=2)) for fam in FAMILIES]
+    results = run_distributed(_session, 4, cases)
+    for i, fam in enumerate(FAMILIES):
+        _check_training(results, f"{fam}/{i}")
+        global_shape, local_shape, dims = results[0][f"{fam}/{i}"]["expert_param"]
+        assert local_shape[0] == 2 and local_shape[1] == global_shape[1] // 2, (global_shape, local_shape)
+
+
+# ---------------------------------------------------------------- fast, one process
+
+
+def test_config_key_and_ep_must_divide_dp_shard() -> None:
+    from tpcompile.config import resolve_config
+
+    cfg = resolve_config({"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, world_size=8)
+    assert (cfg.tp, cfg.ep, cfg.dp_shard) == (2, 2, 4)
+    assert resolve_config(tp=2, ep=2, world_size=8) == cfg
+    with pytest.raises(TPError, match=r"ep=3 must divide dp_shard=4.*ep values that work: \[1, 2, 4\]"):
+        resolve_config(tp=2, ep=3, world_size=8)
+    with pytest.raises(TPError, match="ep must be an integer >= 1"):
+        resolve_config(ep=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_found_from_the_dataflow(family: str) -> None:
+    model = _build(family, meta=True)
+    plan = tpcompile.plan_model(model, 1, ep=2)
+    assert sorted(plan.experts) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    xp = plan.experts["model.layers.1.mlp.experts"]
+    assert (xp.num_experts, xp.params, xp.size_attrs) == (4, ["down_proj", "gate_up_proj"], {"num_experts": [4, 2]})
+    from tpcompile.plan import Plan
+
+    assert Plan.from_json(plan.to_json()).experts == plan.experts  # data: dump-plan shows it
+
+
+def test_names_do_not_matter_and_dense_models_have_no_experts() -> None:
+    """Renamed parameters are still found (the router's top-k picks their rows); a dense
+    model has none; an expert count ep does not divide names the module."""
+    from transformers import AutoModelForCausalLM
+
+    from tpcompile.presets import tiny_config
+
+    model = _build("mixtral", meta=True)
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        ex.register_parameter("w_in", ex._parameters.pop("gate_up_proj"))
+        ex.register_parameter("w_out", ex._parameters.pop("down_proj"))
+        type(ex).gate_up_proj = property(lambda self: self.w_in)
+        type(ex).down_proj = property(lambda self: self.w_out)
+    try:
+        plan = tpcompile.plan_model(model, 1)
+    finally:
+        del type(ex).gate_up_proj, type(ex).down_proj
+    assert plan.experts["model.layers.0.mlp.experts"].params == ["w_in", "w_out"]
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert tpcompile.plan_model(dense, 1).experts == {}
+    with pytest.raises(TPError, match=r"model.layers.0.mlp.experts \(MixtralExperts\) has 4 experts, not "
+                                      r"divisible by ep=3; use an ep that divides it: \[1, 2, 4\]"):
+        tpcompile.plan_model(_build("mixtral", meta=True), 1, ep=3)
