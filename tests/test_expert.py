@@ -11,6 +11,7 @@ launch.  Fast unit tests cover detection from the dataflow and the config errors
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,8 +114,45 @@ def _train_case(family: str, layout: dict) -> dict:
             "expert_param": (tuple(p.shape), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)}
 
 
-def _session(rank: int, world: int, cases: list[tuple[str, dict]]) -> dict:
-    return {f"{fam}/{i}": _train_case(fam, layout) for i, (fam, layout) in enumerate(cases)}
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _checkpoints(rank: int, root: Path) -> dict:
+    """ep=2: hf_state_dict, state_dict(), save_pretrained; a sharded checkpoint after one
+    step loaded into an ep=1 model and back."""
+    from tpcompile import checkpoint
+
+    model = _build("mixtral")
+    tpcompile.parallelize(model, ep=2)
+    out: dict = {"hf": checkpoint.hf_state_dict(model),
+                 "state_dict": {k: _full(v).clone() for k, v in model.state_dict().items()}}
+    model.save_pretrained(root / "hf")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = _batches()
+    global_step(model, opt, ids[0])
+    checkpoint.save(root / "ep2", model, opt)
+    out["trained"] = checkpoint.hf_state_dict(model)
+    # another model and layout: every expert on every rank (ep=1, plain FSDP2 over 2)
+    other = _build("mixtral")
+    tpcompile.parallelize(other, ep=1)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    checkpoint.load(root / "ep2", other, other_opt)
+    out["resharded"] = checkpoint.hf_state_dict(other)
+    # both continue: the optimizer state came along, so the next steps agree
+    out["next"] = [global_step(model, opt, ids[1]), global_step(other, other_opt, ids[1])]
+    checkpoint.save(root / "ep1", other, other_opt)
+    checkpoint.load(root / "ep1", model, opt)  # and back into the ep=2 model
+    out["back"] = checkpoint.hf_state_dict(model)
+    out["back_ref"] = checkpoint.hf_state_dict(other)
+    return out
+
+
+def _session(rank: int, world: int, cases: list[tuple[str, dict]], root: Path | None = None) -> dict:
+    out = {f"{fam}/{i}": _train_case(fam, layout) for i, (fam, layout) in enumerate(cases)}
+    if root is not None:
+        out["checkpoints"] = _checkpoints(rank, root)
+    return out
 
 
 def _check_training(results: list[dict], key: str) -> None:
@@ -129,14 +167,35 @@ def _check_training(results: list[dict], key: str) -> None:
             torch.testing.assert_close(got["grads"][name], g, rtol=REL, atol=REL, msg=lambda m, n=name: f"{key} {n}: {m}")
 
 
+def _check_checkpoints(results: list[dict], root: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ref = _build("mixtral").state_dict()
+    got = results[0]["checkpoints"]
+    assert set(got["hf"]) == set(ref)
+    for key, value in ref.items():
+        assert torch.equal(got["hf"][key], value), key  # bit-exact
+        for r in results:  # every rank: DTensors whose full value is the HF tensor
+            assert torch.equal(r["checkpoints"]["state_dict"][key], value), key
+    loaded = AutoModelForCausalLM.from_pretrained(root / "hf").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in ref.items())
+    trained, resharded = got["trained"], got["resharded"]
+    assert any(not torch.equal(trained[k], ref[k]) for k in ref)
+    assert all(torch.equal(resharded[k], trained[k]) for k in trained)
+    a, b = got["next"]
+    assert abs(a - b) <= REL * abs(b), (a, b)
+    assert all(torch.equal(got["back"][k], v) for k, v in got["back_ref"].items())
+
+
 @pytest.mark.slow
-def test_world2_ep2_matches_single_process() -> None:
+def test_world2_ep2_matches_single_process_and_checkpoints(tmp_path: Path) -> None:
     cases = [(fam, dict(ep=2)) for fam in FAMILIES]
-    results = run_distributed(_session, 2, cases)
+    results = run_distributed(_session, 2, cases, tmp_path)
     for i, fam in enumerate(FAMILIES):
         _check_training(results, f"{fam}/{i}")
         global_shape, local_shape, dims = results[0][f"{fam}/{i}"]["expert_param"]
         assert global_shape[0] == 4 and local_shape[0] == 2, (global_shape, local_shape)
+    _check_checkpoints(results, tmp_path)
 
 
 @pytest.mark.slow
