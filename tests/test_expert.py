@@ -111,7 +111,8 @@ def _train_case(family: str, layout: dict) -> dict:
     experts = model.tpcompile_plan.experts if hasattr(model, "tpcompile_plan") else None
     p = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
     return {"losses": losses, "grads": grads, "experts": experts is None or bool(experts),
-            "expert_param": (tuple(p.shape), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)}
+            "expert_param": (tuple(p.shape), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names),
+            "ep_rank": model.tpcompile_expert_mesh["ep"].get_local_rank()}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -152,6 +153,13 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict]], root: Path | 
     out = {f"{fam}/{i}": _train_case(fam, layout) for i, (fam, layout) in enumerate(cases)}
     if root is not None:
         out["checkpoints"] = _checkpoints(rank, root)
+    if world == 4:  # SMP's state reports the same EP position parallelize uses
+        import tpcompile.smp as tsm
+
+        tsm.init({"tensor_parallel_degree": 2, "expert_parallel_degree": 2})
+        with pytest.raises(TPError, match="expert_parallel_degree=2 is applied by tpcompile.parallelize"):
+            tsm.transform(_build("mixtral"))
+        out["smp"] = (tsm.state.ep_rank, tsm.state.ep_size)
     return out
 
 
@@ -206,6 +214,9 @@ def test_world4_ep2_tp2_matches_single_process() -> None:
         _check_training(results, f"{fam}/{i}")
         global_shape, local_shape, dims = results[0][f"{fam}/{i}"]["expert_param"]
         assert local_shape[0] == 2 and local_shape[1] == global_shape[1] // 2, (global_shape, local_shape)
+    # ranks (dp_shard, tp): ep rank = dp_shard coordinate (efsdp = 1)
+    assert [r["mixtral/0"]["ep_rank"] for r in results] == [0, 0, 1, 1]
+    assert [r["smp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
 # ---------------------------------------------------------------- fast, one process

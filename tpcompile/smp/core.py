@@ -93,13 +93,15 @@ class State:
 
     @property
     def ep_size(self) -> int:
+        """``expert_parallel_degree``: EP groups are consecutive ``dp_shard`` ranks of one
+        tp rank, as :func:`tpcompile.parallelize` (``config=`` the same dict) lays them out."""
         self._need()
-        return 1  # expert_parallel_degree must be 1 (experts are split over tp instead)
+        return self.cfg.ep
 
     @property
     def ep_rank(self) -> int:
-        self._need()
-        return 0
+        _, shard, _ = self._need().get_coordinate()
+        return shard % self.cfg.ep
 
     @property
     def dp_size(self) -> int:
@@ -214,6 +216,10 @@ def transform(model: nn.Module, *, device: torch.device | str | None = None, dty
     mesh = state._need()
     if config is not None and resolve_config(config, world_size=dist.get_world_size()) != state.cfg:
         raise TPError("transform(config=...) differs from the config given to tsm.init; pass it to init only")
+    if state.cfg.ep > 1:  # FSDP1 over plain local parameters cannot hold experts split over ep
+        raise TPError(f"expert_parallel_degree={state.cfg.ep} is applied by tpcompile.parallelize(model, "
+                      "config=<the same SMP config>) (FSDP2); tsm.transform + FSDP1 splits each expert "
+                      "over tp instead: set expert_parallel_degree to 1 there")
     if dtype is not None:
         model.to(dtype)
     if any(p.is_meta for p in model.parameters()) and not load_state_dict_from_rank0:
