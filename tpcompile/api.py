@@ -55,6 +55,7 @@ def plan_model(
     strict: bool = True,
     example_inputs: dict[str, Any] | None = None,
     ep: int = 1,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Decide how to split ``model`` over ``tp`` ranks, without touching it.
 
@@ -108,6 +109,10 @@ def plan_model(
     plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
                                 retrace=lambda: capture(model, example_kwargs=example_inputs).graph)
     _check_overrides(plan, overrides)
+    if sequence_parallel and tp > 1:
+        from .sequence import plan_sequence
+
+        plan.sequence = plan_sequence(model, plan)
     plan.stats = {
         "capture_s": round(t1 - t0, 4),
         "analysis_s": round(time.perf_counter() - t1, 4),
@@ -238,6 +243,7 @@ def transform(
     strict: bool = True,
     load_state_dict_from_rank0: bool = False,
     example_inputs: dict[str, Any] | None = None,
+    sequence_parallel: bool = False,
     ep: int = 1,
 ) -> nn.Module:
     """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
@@ -263,6 +269,8 @@ def transform(
             have built the model on the meta device; rank 0 sends each rank its shards.
         example_inputs: one batch of keyword arguments the forward accepts, to trace
             with; default: built from the model (``main_input_name`` and config sizes).
+        sequence_parallel: between tensor-parallel regions (norms, residual adds) each
+            rank keeps only its slice of the tokens (:mod:`tpcompile.sequence`).
         ep: the expert-parallel degree to plan for (``plan.experts``); the experts are
             split over ep ranks by :func:`tpcompile.parallelize`, transform keeps every
             expert and splits each over tp.
@@ -282,7 +290,8 @@ def transform(
     tp_mesh = _resolve_mesh(model, tp, mesh)
     be = _backend(backend, tp_mesh)
     plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides,
-                      strict=strict, example_inputs=example_inputs, ep=ep)
+                      strict=strict, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+                      ep=ep)
     table = build_table(model, plan)
     full = None
     if load_state_dict_from_rank0 and dist.get_rank() == 0:
@@ -291,6 +300,10 @@ def transform(
     from .loss_patch import install_local_loss, install_loss_parallel
 
     (install_loss_parallel if loss_parallel else install_local_loss)(model, plan, be)
+    if plan.sequence:
+        from .sequence import install_sequence_parallel
+
+        install_sequence_parallel(model, plan.sequence, be.group)
     model.tpcompile_mesh = tp_mesh
     model.tpcompile_table = table
     if load_state_dict_from_rank0:

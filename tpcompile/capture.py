@@ -22,11 +22,12 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Capture", "LayerStacks", "capture", "structural_signature"]
+__all__ = ["Capture", "LayerStacks", "capture", "layer_stacks", "structural_signature"]
 
 # Example sizes that cannot be mistaken for model sizes in the traced graph's shape
 # constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
@@ -91,6 +92,9 @@ class Capture:
     user_inputs: list[str]
     stacks: LayerStacks
     seconds: float
+    # module FQN -> its call signature (graph nodes of its inputs and outputs, and how
+    # they map to the forward's arguments), for the modules capture was asked to keep
+    signatures: dict[str, Any] = field(default_factory=dict)
 
 
 def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]:
@@ -128,12 +132,26 @@ def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
     return (), example_inputs(model, batch=_EXAMPLE_BATCH, seq=_EXAMPLE_SEQ)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def _layer_stacks(stacks: dict[str, tuple[nn.ModuleList, list[int]]]) -> LayerStacks:
+    return LayerStacks(
+        members={fqn: reps for fqn, (_, reps) in stacks.items()},
+        traced_len={fqn: max(reps) + 1 for fqn, (_, reps) in stacks.items()},
+    )
+
+
+def layer_stacks(model: nn.Module) -> LayerStacks:
+    """The repeated-block stacks :func:`capture` would cut ``model`` to (no tracing)."""
+    return _layer_stacks(_find_stacks(model))
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict,
+            preserve: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
     attempts: list[dict] = [dict(kwargs, use_cache=False), dict(kwargs)]
     last: Exception | None = None
     for kw in attempts:
         try:
-            return torch.export.export(model, args, kwargs=kw, strict=False)
+            return torch.export.export(model, args, kwargs=kw, strict=False,
+                                       preserve_module_call_signature=preserve)
         except TypeError as err:  # the model takes no ``use_cache`` keyword
             last = err
     assert last is not None
@@ -146,6 +164,7 @@ def capture(
     example_args: tuple | None = None,
     example_kwargs: dict | None = None,
     cut_stacks: bool = True,
+    preserve: tuple[str, ...] = (),
 ) -> Capture:
     """Trace ``model`` into an ATen FX graph without materializing weights.
 
@@ -156,6 +175,7 @@ def capture(
             from the model itself (:func:`tpcompile.inputs.example_inputs`: ``input_ids``,
             ``pixel_values``, ``input_features``, ``decoder_input_ids`` ...).
         cut_stacks: analyse one block per distinct structure of each repeated stack.
+        preserve: module FQNs (of the cut model) whose call signatures to record.
 
     Example:
         >>> cap = capture(model)                                    # doctest: +SKIP
@@ -170,7 +190,7 @@ def capture(
     model.eval()  # dropout off: it would only add noise nodes to the graph
     try:
         with _truncated(model, stacks), torch.no_grad():
-            ep = _export(model, example_args, example_kwargs or {})
+            ep = _export(model, example_args, example_kwargs or {}, preserve)
     except Exception as err:
         raise RuntimeError(
             f"tpcompile could not capture {type(model).__name__} with torch.export "
@@ -180,10 +200,7 @@ def capture(
     finally:
         model.train(was_training)
     sig = ep.graph_signature
-    layer_stacks = LayerStacks(
-        members={fqn: reps for fqn, (_, reps) in stacks.items()},
-        traced_len={fqn: max(reps) + 1 for fqn, (_, reps) in stacks.items()},
-    )
+    layer_stacks = _layer_stacks(stacks)
     return Capture(
         graph=ep.graph,
         param_of_placeholder=dict(sig.inputs_to_parameters),
@@ -191,4 +208,5 @@ def capture(
         user_inputs=list(sig.user_inputs),
         stacks=layer_stacks,
         seconds=time.perf_counter() - start,
+        signatures={e.fqn: e.signature for e in ep.module_call_graph if e.fqn in preserve},
     )

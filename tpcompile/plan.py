@@ -162,6 +162,9 @@ class Plan:
     # stacked-experts modules (every MoE layer), and the expert-parallel degree planned for
     experts: dict[str, ExpertsPlan] = field(default_factory=dict)
     ep: int = 1
+    # sequence parallelism (tpcompile.sequence.plan_sequence): where the residual stream
+    # is split and gathered; ``None``: off
+    sequence: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION

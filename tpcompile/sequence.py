@@ -1,0 +1,402 @@
+"""Sequence parallelism: the code between tensor-parallel regions runs on a slice of tokens.
+
+With plain tensor parallelism every rank holds the whole residual stream between a
+row-parallel output and the next column-parallel input, and runs the norms, residual
+adds and dropout there on all tokens. With ``sequence_parallel=True`` each rank keeps
+only its ``ceil(S / tp)`` tokens of that stream: activations saved for backward in those
+regions shrink by ``tp``.
+
+What is split is derived from the dataflow, per repeated block of the model:
+
+* the **regions** are the children of a block that hold tensor-parallel modules
+  (attention, MLP, a MoE layer with its router). Inside a region everything runs as in
+  plain TP on all tokens, so attention, rotary tables and masks built for the whole
+  sequence stay valid;
+* the **stream** is the block input that reaches the block output outside the regions
+  (the residual path). Every op on it outside regions must be token-local
+  (:mod:`tpcompile.analysis.tokens`): a block whose code mixes tokens there keeps no
+  sequence parallelism and the plan says which op;
+* the stream is split (padded to a multiple of ``tp`` with copies of the last token) at
+  the first block's input and gathered at the last block's output; each region gathers
+  the token-carrying arguments on entry and splits its token-carrying outputs on exit.
+
+The collectives are differentiable (``tpcompile.comm``): a split's backward gathers the
+gradient slices, a gather's backward keeps this rank's slice (the gradient is already
+complete there: the column modules' backward all-reduce summed it). Results are exact;
+the communication per region is one all-gather more than plain TP in each direction.
+
+Calls that ask for intermediate hidden states (``output_hidden_states=True``) would get
+slices of them, so such calls run without sequence parallelism (exactly as plain TP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import comm
+from .analysis.propagate import innermost_module, module_path
+from .analysis.tokens import Mixes, Tokens, propagate_tokens
+from .capture import Capture, capture, layer_stacks
+
+__all__ = ["gather_tokens", "install_sequence_parallel", "plan_sequence", "split_tokens"]
+
+_SEQ = 7  # example tokens: no model dim is 7 (see capture)
+_BATCH = 2  # > 1, so a view that folds batch rows into the tokens shows in the shapes
+
+Path = list[Any]  # ["args", 0] / ["kwargs", "hidden_states", 1] / [] (the value itself)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def split_tokens(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim``, padded to a multiple of the group size
+    with copies of the last token (finite wherever real tokens are; gradients of the
+    copies are zero because every gather drops them)."""
+    n = comm.group_size(group)
+    short = -x.shape[dim] % n
+    if short:
+        last = x.narrow(dim, x.shape[dim] - 1, 1)
+        x = torch.cat([x, last.expand(*[short if d == dim else -1 for d in range(x.dim())])], dim)
+    return comm.scatter_to_tp(x, group, dim)
+
+
+def gather_tokens(x: torch.Tensor, group: Any, dim: int, length: int) -> torch.Tensor:
+    """All tokens of a split value (the padding dropped)."""
+    full = comm.gather_from_tp(x, group, dim)
+    return full.narrow(dim, 0, length) if full.shape[dim] != length else full
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _paths(spec: Any, n: int) -> list[Path]:
+    """The argument path of each flattened leaf of a call signature's pytree spec."""
+    tree = pytree.tree_unflatten(list(range(n)), spec)
+    out: list[Path] = [[] for _ in range(n)]
+
+    def walk(obj: Any, path: Path) -> None:
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            out[obj] = path
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, [*path, k])
+        elif isinstance(obj, list | tuple):
+            for i, v in enumerate(obj):
+                walk(v, [*path, i])
+
+    walk(tree, [])
+    return out
+
+
+def _call_io(sig: Any, names: dict[str, fx.Node]) -> tuple[list[tuple[Path, fx.Node]], list[tuple[Path, fx.Node]]]:
+    """``(path, node)`` of each tensor input and output of a preserved module call."""
+    def pairs(specs: list, spec: Any, top: bool) -> list[tuple[Path, fx.Node]]:
+        paths = _paths(spec, len(specs))
+        res = []
+        for path, arg in zip(paths, specs, strict=True):
+            name = getattr(arg, "name", None)
+            if name in names and type(arg).__name__ == "TensorArgument":
+                if top:  # (args, kwargs) -> ["args", i] / ["kwargs", name]
+                    path = ["args" if path[0] == 0 else "kwargs", *path[1:]]
+                res.append((path, names[name]))
+        return res
+
+    return pairs(sig.inputs, sig.in_spec, True), pairs(sig.outputs, sig.out_spec, False)
+
+
+def _token_dim(node: fx.Node) -> int | None:
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return None
+    dims = [d for d, s in enumerate(v.shape) if int(s) == _SEQ]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _inside(node: fx.Node, fqn: str) -> bool:
+    return fqn in module_path(node)
+
+
+def _regions(block: str, plan: Any, cap_rep: Any) -> list[str] | None:
+    """Children of ``block`` holding tensor-parallel modules (``None``: the block's own
+    code runs a tensor-parallel op, so no child can stand for it)."""
+    hooked = {cap_rep(m) for m, mp in plan.modules.items()
+              if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output}
+    hooked |= {cap_rep(p.module) for p in plan.params.values() if p.shard_dim is not None}
+    inside = [m for m in hooked if m.startswith(block + ".")]
+    if block in hooked:
+        return None
+    return sorted({block + "." + m[len(block) + 1:].split(".")[0] for m in inside})
+
+
+class _Refused(Exception):
+    def __init__(self, module: str, op: str, why: str) -> None:
+        super().__init__(f"{module or '<block>'}: {op} {why}")
+
+
+def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, fx.Node]) -> dict[str, Any]:
+    """Stream path and region boundaries of one representative block; raises _Refused."""
+    b_in, b_out = _call_io(cap.signatures[block], names)
+    io = {r: _call_io(cap.signatures[r], names) for r in regions}
+    region_nodes = {n for n in cap.graph.nodes if any(_inside(n, r) for r in regions)}
+    tags: dict[fx.Node, Tokens] = {}
+    for r, (_, outs) in io.items():
+        for _path, node in outs:
+            dim = _token_dim(node)
+            if dim is not None and any(not _inside(u, r) for u in node.users):
+                tags[node] = Tokens(dim)
+    # the residual stream: the floating token input that reaches the block's output
+    # without passing through a region (rotary tables and masks only feed regions)
+    stream = [(p, n) for p, n in b_in if _token_dim(n) is not None and n.meta["val"].is_floating_point()
+              and b_out and _reaches(n, b_out[0][1], region_nodes)]
+    if len(stream) != 1:
+        raise _Refused(block, "input", f"has {len(stream)} residual streams, needs one")
+    tags[stream[0][1]] = Tokens(_token_dim(stream[0][1]))
+    for node in cap.graph.nodes:
+        if node in region_nodes or node in tags or not _inside(node, block):
+            continue
+        try:
+            tag = propagate_tokens(node, tags)
+        except Mixes as why:
+            raise _Refused(innermost_module(node), str(getattr(node.target, "__name__", node.target)),
+                           str(why)) from None
+        if tag is not None:
+            tags[node] = tag
+    out_paths = [(p, tags[n]) for p, n in b_out if n in tags]
+    if len(out_paths) != 1 or out_paths[0][1].merged:
+        raise _Refused(block, "output", "is not one token-split stream")
+    gathers: dict[str, list] = {}
+    splits: dict[str, list] = {}
+    for r, (ins, outs) in io.items():
+        for path, node in ins:
+            tag = tags.get(node)
+            if tag is not None:
+                if tag.merged:
+                    raise _Refused(r, "input", "gets tokens with batch rows merged")
+                gathers.setdefault(r, []).append([path, tag.dim])
+        splits[r] = [[path, tags[n].dim] for path, n in outs if n in tags]
+    # parameters applied to token slices (norm weights): each rank's gradient covers its
+    # tokens only, so it is summed over the group
+    grad_sum = sorted(_params_feeding([n for n in tags if _inside(n, block) and n not in region_nodes],
+                                      tags, cap.param_of_placeholder))
+    return {"stream": [stream[0][0], tags[stream[0][1]].dim], "output": [out_paths[0][0], out_paths[0][1].dim],
+            "gather": gathers, "split": splits, "grad_sum": grad_sum}
+
+
+def _params_feeding(nodes: list[fx.Node], tags: dict, params: dict[str, str]) -> set[str]:
+    """Parameters that reach ``nodes`` through values that carry no tokens
+    (``1 + weight.float()`` as much as ``weight``)."""
+    out: set[str] = set()
+    seen: set[fx.Node] = set()
+    todo = [x for n in nodes for x in n.all_input_nodes if x not in tags]
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and x.name in params:
+            out.add(params[x.name])
+        todo.extend(y for y in x.all_input_nodes if y not in tags)
+    return out
+
+
+def _reaches(src: fx.Node, dst: fx.Node, blocked: set[fx.Node]) -> bool:
+    seen, todo = {src}, [src]
+    while todo:
+        n = todo.pop()
+        if n is dst:
+            return True
+        for u in n.users:
+            if u not in seen and u not in blocked:
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
+    """Where the stream is split and gathered, for every block of every stack.
+
+    Returns the plan's ``sequence`` section: ``{"stacks": {stack: {"first", "last",
+    "stream", "output"}}, "regions": {module: {"stack", "gather", "split"}}, "refused":
+    {block: reason}}``; paths name forward arguments (``["kwargs", "hidden_states"]``)."""
+    from .inputs import example_inputs
+
+    stacks = layer_stacks(model)
+    blocks = {f"{stack}.{i}": stack for stack, n in stacks.traced_len.items() for i in range(n)}
+    rep = stacks.representative
+    regions = {b: _regions(b, plan, rep) for b in blocks}
+    preserve = tuple(b for b in blocks if regions[b]) + tuple(r for rs in regions.values() for r in rs or ())
+    cap = capture(model, example_kwargs=example_inputs(model, batch=_BATCH, seq=_SEQ, generator=None),
+                  preserve=preserve)
+    names = {n.name: n for n in cap.graph.nodes}
+    out: dict[str, Any] = {"stacks": {}, "regions": {}, "grad_sum": {}, "refused": {}}
+    per_block: dict[str, dict] = {}
+    for b, rs in regions.items():
+        if not rs:
+            out["refused"][b] = "no tensor-parallel region" if rs == [] else "tensor-parallel ops in the block's own code"
+            continue
+        try:
+            per_block[b] = _plan_block(b, rs, cap, names)
+        except _Refused as why:
+            out["refused"][b] = str(why)
+    for stack, reps in cap.stacks.members.items():
+        if any(f"{stack}.{r}" not in per_block for r in set(reps)):
+            continue  # one refused block: the whole stack keeps the stream whole
+        first, last = per_block[f"{stack}.{reps[0]}"], per_block[f"{stack}.{reps[-1]}"]
+        out["stacks"][stack] = {"first": f"{stack}.0", "last": f"{stack}.{len(reps) - 1}",
+                                "stream": first["stream"], "output": last["output"]}
+        for i, r in enumerate(reps):
+            pb = per_block[f"{stack}.{r}"]
+            for fqn in pb["grad_sum"]:
+                owner, _, leaf = (f"{stack}.{i}" + fqn[len(f"{stack}.{r}"):]).rpartition(".")
+                out["grad_sum"].setdefault(owner, {"stack": stack, "params": []})["params"].append(leaf)
+            for region in set(pb["gather"]) | set(pb["split"]):
+                name = f"{stack}.{i}" + region[len(f"{stack}.{r}"):]
+                out["regions"][name] = {"stack": stack, "gather": pb["gather"].get(region, []),
+                                        "split": pb["split"].get(region, [])}
+    for b, why in out["refused"].items():
+        if blocks[b] in out["stacks"]:
+            continue
+        plan.warnings.append(f"sequence parallelism: {blocks[b]} keeps whole sequences ({b}: {why})")
+    return out
+
+
+# ---------------------------------------------------------------- runtime
+
+
+def _get(obj: Any, path: Path) -> Any:
+    for key in path:
+        if isinstance(obj, dict):
+            obj = obj.get(key)
+        elif isinstance(obj, list | tuple) and isinstance(key, int) and key < len(obj):
+            obj = obj[key]
+        else:
+            return None
+    return obj
+
+
+def _set(obj: Any, path: Path, value: Any) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        return {**obj, key: _set(obj[key], rest, value)}
+    items = list(obj)
+    items[key] = _set(items[key], rest, value)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*items)
+    return type(obj)(items) if isinstance(obj, tuple | list) else items
+
+
+def _map_call(args: tuple, kwargs: dict, paths: list, fn: Any) -> tuple[tuple, dict]:
+    call = {"args": args, "kwargs": kwargs}
+    for path, dim in paths:
+        x = _get(call, path)
+        if isinstance(x, torch.Tensor):
+            call = _set(call, path, fn(x, dim))
+    return call["args"], call["kwargs"]
+
+
+def _map_out(out: Any, paths: list, fn: Any) -> Any:
+    for path, dim in paths:
+        x = _get(out, path)
+        if isinstance(x, torch.Tensor):
+            out = _set(out, path, fn(x, dim))
+    return out
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One forward's state of one stack: on or off, and the true token count."""
+
+    on: bool = False
+    length: int = 0
+
+
+def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], group: Any) -> None:
+    """Hook the splits and gathers of ``seq`` (:func:`plan_sequence`) onto ``model``."""
+    mods = dict(model.named_modules())
+    streams = {stack: _Stream() for stack in seq["stacks"]}
+    wanted = {"on": True}
+
+    def root_pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        # intermediate hidden states would come back as slices: such calls stay whole
+        asks = kwargs.get("output_hidden_states")
+        if asks is None:
+            asks = getattr(getattr(mod, "config", None), "output_hidden_states", False)
+        wanted["on"] = not asks
+
+    model.register_forward_pre_hook(root_pre, with_kwargs=True)
+    for stack, spec in seq["stacks"].items():
+        st = streams[stack]
+        path, dim = spec["stream"]
+
+        def first_pre(mod: nn.Module, args: tuple, kwargs: dict, st: _Stream = st, path: Path = path,
+                      dim: int = dim) -> tuple[tuple, dict]:
+            x = _get({"args": args, "kwargs": kwargs}, path)
+            st.on = wanted["on"] and isinstance(x, torch.Tensor) and torch.is_tensor(x) and x.dim() > dim
+            if not st.on:
+                return args, kwargs
+            st.length = x.shape[dim]
+            return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+
+        def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, st: _Stream = st,
+                      paths: list = [spec["output"]]) -> Any:  # noqa: B006 (bound per stack)
+            if not st.on:
+                return out
+            st.on = False
+            return _map_out(out, paths, lambda t, d: gather_tokens(t, group, d, st.length))
+
+        mods[spec["first"]].register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
+        mods[spec["last"]].register_forward_hook(last_post, with_kwargs=True)
+    for name, spec in seq.get("grad_sum", {}).items():
+        _sum_grads(mods[name], spec["params"], streams[spec["stack"]], group)
+    for name, spec in seq["regions"].items():
+        st = streams[spec["stack"]]
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict, st: _Stream = st,
+                paths: list = spec["gather"]) -> tuple[tuple, dict]:  # noqa: B006
+            if not st.on:
+                return args, kwargs
+            return _map_call(args, kwargs, paths, lambda t, d: gather_tokens(t, group, d, st.length))
+
+        def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, st: _Stream = st,
+                 paths: list = spec["split"]) -> Any:  # noqa: B006
+            return _map_out(out, paths, lambda t, d: split_tokens(t, group, d)) if st.on else out
+
+        # prepend: the tokens are whole before the TP hooks (copy_to_tp) see them
+        mods[name].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+        mods[name].register_forward_hook(post, with_kwargs=True)
+
+
+def _sum_grads(module: nn.Module, names: list[str], st: _Stream, group: Any) -> None:
+    """While the stream is split, ``module``'s parameters ``names`` are used through
+    ``all_reduce_grad``: their gradient sums every rank's tokens."""
+    mine: dict[str, Any] = {}
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        if not st.on:
+            return
+        for name in names:
+            p = mod._parameters[name]
+            # the backend swaps a DTensor for its local tensor and restores it itself;
+            # (isinstance(local, nn.Parameter) is no test: to_local keeps the flag)
+            if isinstance(p, DTensor) or type(p) is nn.Parameter:
+                mine[name] = p
+            local = p.to_local() if isinstance(p, DTensor) else p
+            mod._parameters[name] = comm.all_reduce_grad(local, group)
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        while mine:
+            name, p = mine.popitem()
+            mod._parameters[name] = p
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
