@@ -34,6 +34,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "compile_time": ("compile_time", "plan_model and dump-plan wall time on meta models"),
     "load_memory": ("load_memory", "peak resident memory per rank when loading a checkpoint"),
     "checkpoint_io": ("checkpoint_io", "checkpoint save / translate throughput vs disk limit"),
+    "moe_ep": ("moe_ep", "MoE training step: expert parallelism vs experts split over tp vs HF EP"),
 }
 
 
