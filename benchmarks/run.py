@@ -35,6 +35,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "load_memory": ("load_memory", "peak resident memory per rank when loading a checkpoint"),
     "checkpoint_io": ("checkpoint_io", "checkpoint save / translate throughput vs disk limit"),
     "moe_ep": ("moe_ep", "MoE training step: expert parallelism vs experts split over tp vs HF EP"),
+    "sequence_parallel": ("sequence_parallel", "saved activations and step time, SP off vs on"),
 }
 
 
