@@ -303,7 +303,7 @@ def transform(
     if plan.sequence:
         from .sequence import install_sequence_parallel
 
-        install_sequence_parallel(model, plan.sequence, be.group)
+        install_sequence_parallel(model, plan.sequence, be)
     model.tpcompile_mesh = tp_mesh
     model.tpcompile_table = table
     if load_state_dict_from_rank0:

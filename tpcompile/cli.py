@@ -133,6 +133,8 @@ def _add_verify(sub: Any) -> None:
     ver.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     ver.add_argument("--attn", choices=("eager", "sdpa"),
                      help="attention implementation (default: the model's own default)")
+    ver.add_argument("--sequence-parallel", action="store_true",
+                     help="transform with sequence_parallel=True (norms and residuals split by tokens)")
     # Test hook (see the README): perturb one module's output on one rank after transform.
     ver.add_argument("--inject-fault", metavar="MODULE", help=argparse.SUPPRESS)
     ver.set_defaults(handler=_cmd_verify)
@@ -398,7 +400,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except TPError as exc:
         return _fail(str(exc))
     report = verify(config, tp=args.tp, task=task, tol=args.tol, layers=args.layers,
-                    generate=not args.no_generate, attn=args.attn, fault=args.inject_fault)
+                    generate=not args.no_generate, attn=args.attn, fault=args.inject_fault,
+                    sequence_parallel=args.sequence_parallel)
     _write(json.dumps(report.to_dict(), indent=2) if args.format == "json" else render_report(report))
     return _EXIT_OK if report.ok else _EXIT_MISMATCH
 

@@ -13,7 +13,13 @@ function            forward                         backward
 ``reduce_from_tp``  ``y = sum_r x_r`` (all-reduce)  ``dx = dy``
 ``gather_from_tp``  ``y = cat(x_0..x_{n-1}, dim)``  ``dx = chunk(dy, n, dim)[r]``
 ``scatter_to_tp``   ``y = chunk(x, n, dim)[r]``     ``dx = cat(dy_0..dy_{n-1}, dim)``
+``enter_tp``        ``y = cat(x_0..x_{n-1}, dim)``  ``dx = chunk(sum_r dy_r, n)[r]``
+``leave_tp``        ``y = chunk(sum_r x_r, n)[r]``  ``dx = cat(dy_0..dy_{n-1}, dim)``
 ==================  ==============================  ==================================
+
+``enter_tp`` / ``leave_tp`` are the sequence-parallel forms of "f" and "g" (Megatron's
+all-gather / reduce-scatter pair): a token-split activation enters a column-parallel
+region whole, and a row-parallel partial sum leaves it already split by tokens.
 
 ``copy_to_tp`` is Megatron's "f" (entry of a column-parallel region) and
 ``reduce_from_tp`` its "g" (exit of a row-parallel region).  ``all_reduce_grad`` is
@@ -36,9 +42,11 @@ from torch.distributed import ProcessGroup
 __all__ = [
     "all_reduce_grad",
     "copy_to_tp",
+    "enter_tp",
     "gather_from_tp",
     "group_rank",
     "group_size",
+    "leave_tp",
     "reduce_from_tp",
     "scatter_to_tp",
 ]
@@ -111,6 +119,16 @@ def _local_chunk(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
     return piece.clone(memory_format=torch.contiguous_format)
 
 
+def _reduce_scatter(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    """``chunk(sum_r x_r, n, dim)[r]``: one reduce-scatter (half an all-reduce's traffic)."""
+    n = group_size(group)
+    _check_divisible(x, n, dim)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()  # model code may .view() it
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -162,6 +180,32 @@ class _ScatterToTP(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
         return _local_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _all_gather_cat(grad, ctx.group, ctx.dim), None, None
+
+
+class _EnterTP(torch.autograd.Function):
+    """Forward all-gather along ``dim``; backward reduce-scatter of the partial gradients."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_cat(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _LeaveTP(torch.autograd.Function):
+    """Forward reduce-scatter along ``dim``; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -222,6 +266,25 @@ def scatter_to_tp(x: Tensor, group: ProcessGroup | None, dim: int = -1) -> Tenso
     # Validate eagerly so the error surfaces at the call site, not inside autograd.
     _check_divisible(x, group_size(group), dim)
     return _ScatterToTP.apply(x, group, dim)
+
+
+def enter_tp(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    """All-gather forward; reduce-scatter backward: a token-split ``x`` enters a
+    column-parallel region whole, and the region's partial input gradients are summed
+    and split back by tokens in one collective (no separate ``copy_to_tp``)."""
+    if group_size(group) == 1:
+        return x
+    return _EnterTP.apply(x, group, _normalize_dim(dim, x.dim()))
+
+
+def leave_tp(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    """Reduce-scatter forward; all-gather backward: a row-parallel partial sum leaves
+    its region summed and already split by tokens (instead of ``reduce_from_tp``)."""
+    if group_size(group) == 1:
+        return x
+    dim = _normalize_dim(dim, x.dim())
+    _check_divisible(x, group_size(group), dim)
+    return _LeaveTP.apply(x, group, dim)
 
 
 all_reduce_grad = copy_to_tp

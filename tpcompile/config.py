@@ -132,6 +132,7 @@ class ParallelConfig:
     dp_shard: int = -1
     dp_replicate: int = 1
     ep: int = 1  # expert parallelism: carved from dp_shard (dp_shard = efsdp x ep)
+    sequence_parallel: bool = False  # the residual stream split by tokens over tp
     sharding_strategy: Sharding = Sharding.FULL_SHARD
     mixed_precision: MixedPrecisionPolicy | None = None
     cpu_offload: bool = False
@@ -159,7 +160,8 @@ class ParallelConfig:
         _check_int("loading_horizon", self.loading_horizon, minimum=1)
         if self.dp_shard == -1 and self.dp_replicate == -1:
             raise TPError("only one of dp_shard and dp_replicate can be -1 ('the rest of the world')")
-        for name in ("cpu_offload", "activation_checkpointing", "activation_offloading", "load_from_rank0"):
+        for name in ("cpu_offload", "activation_checkpointing", "activation_offloading", "load_from_rank0",
+                     "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TPError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None:

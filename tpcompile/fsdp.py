@@ -65,6 +65,7 @@ def parallelize(
     dp_shard: int = -1,
     dp_replicate: int = 1,
     ep: int = 1,
+    sequence_parallel: bool = False,
     sharding_strategy: str = "FULL_SHARD",
     mixed_precision: Any = None,
     cpu_offload: bool = False,
@@ -86,6 +87,8 @@ def parallelize(
             experts, tokens are routed to them with all-to-all. Carved from the
             ``dp_shard`` ranks (``dp_shard = efsdp x ep``); see
             :mod:`tpcompile.expert_parallel`.
+        sequence_parallel: between tensor-parallel regions each rank keeps only its
+            slice of the tokens (:mod:`tpcompile.sequence`); needs ``tp > 1``.
         sharding_strategy: ``FULL_SHARD`` (reshard after forward), ``SHARD_GRAD_OP`` (keep
             params gathered until backward), ``NO_SHARD`` (pure replication),
             ``HYBRID_SHARD`` / ``HYBRID_SHARD_ZERO2`` (shard within ``dp_shard``,
@@ -130,7 +133,8 @@ def parallelize(
         ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         >>> model = tpcompile.parallelize(model, tp=2, load_from=path)
     """
-    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, sharding_strategy=sharding_strategy,
+    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, sequence_parallel=sequence_parallel,
+                 sharding_strategy=sharding_strategy,
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing,
                  activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed)
@@ -159,7 +163,7 @@ def parallelize(
     if cfg.tp > 1:
         from .api import transform
 
-        transform(model, cfg.tp, mesh=mesh["tp"], ep=cfg.ep)
+        transform(model, cfg.tp, mesh=mesh["tp"], ep=cfg.ep, sequence_parallel=cfg.sequence_parallel)
         plan = model.tpcompile_plan
     else:
         from .api import plan_model

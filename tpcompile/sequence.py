@@ -56,22 +56,27 @@ Path = list[Any]  # ["args", 0] / ["kwargs", "hidden_states", 1] / [] (the value
 # ---------------------------------------------------------------- collectives
 
 
-def split_tokens(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-    """This rank's slice of ``x`` along ``dim``, padded to a multiple of the group size
-    with copies of the last token (finite wherever real tokens are; gradients of the
-    copies are zero because every gather drops them)."""
-    n = comm.group_size(group)
+def _pad_tokens(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``x`` padded along ``dim`` to a multiple of ``n`` with copies of the last token
+    (finite wherever real tokens are; gradients of the copies are zero because every
+    gather drops them)."""
     short = -x.shape[dim] % n
-    if short:
-        last = x.narrow(dim, x.shape[dim] - 1, 1)
-        x = torch.cat([x, last.expand(*[short if d == dim else -1 for d in range(x.dim())])], dim)
-    return comm.scatter_to_tp(x, group, dim)
+    if not short:
+        return x
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    return torch.cat([x, last.expand(*[short if d == dim else -1 for d in range(x.dim())])], dim)
+
+
+def split_tokens(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (padded to a multiple of the group size)."""
+    return comm.scatter_to_tp(_pad_tokens(x, comm.group_size(group), dim), group, dim)
 
 
 def gather_tokens(x: torch.Tensor, group: Any, dim: int, length: int) -> torch.Tensor:
     """All tokens of a split value (the padding dropped)."""
     full = comm.gather_from_tp(x, group, dim)
-    return full.narrow(dim, 0, length) if full.shape[dim] != length else full
+    # contiguous: model code .view()s its inputs, as it may with the unsplit tensor
+    return full.narrow(dim, 0, length).contiguous() if full.shape[dim] != length else full
 
 
 # ---------------------------------------------------------------- planning
@@ -141,7 +146,8 @@ class _Refused(Exception):
         super().__init__(f"{module or '<block>'}: {op} {why}")
 
 
-def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, fx.Node]) -> dict[str, Any]:
+def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, fx.Node],
+                plan: Any) -> dict[str, Any]:
     """Stream path and region boundaries of one representative block; raises _Refused."""
     b_in, b_out = _call_io(cap.signatures[block], names)
     io = {r: _call_io(cap.signatures[r], names) for r in regions}
@@ -180,14 +186,34 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
             if tag is not None:
                 if tag.merged:
                     raise _Refused(r, "input", "gets tokens with batch rows merged")
-                gathers.setdefault(r, []).append([path, tag.dim])
-        splits[r] = [[path, tags[n].dim] for path, n in outs if n in tags]
+                gathers.setdefault(r, []).append([path, tag.dim, _enters_columns(node, r, plan)])
+        splits[r] = [[path, tags[n].dim, _leaving_row(n, plan)] for path, n in outs if n in tags]
     # parameters applied to token slices (norm weights): each rank's gradient covers its
     # tokens only, so it is summed over the group
     grad_sum = sorted(_params_feeding([n for n in tags if _inside(n, block) and n not in region_nodes],
                                       tags, cap.param_of_placeholder))
     return {"stream": [stream[0][0], tags[stream[0][1]].dim], "output": [out_paths[0][0], out_paths[0][1].dim],
             "gather": gathers, "split": splits, "grad_sum": grad_sum}
+
+
+def _enters_columns(node: fx.Node, region: str, plan: Any) -> bool:
+    """Does every use of ``node`` inside ``region`` belong to a column-parallel module?
+    Then the gather's backward may sum the partial gradients itself (a reduce-scatter)
+    and the columns skip their own all-reduce. A router reading the same input (its
+    gradient is whole on every rank) rules it out."""
+    users = [u for u in node.users if _inside(u, region)]
+    return bool(users) and all(
+        (mp := plan.modules.get(innermost_module(u))) is not None and mp.copy_inputs for u in users)
+
+
+def _leaving_row(node: fx.Node, plan: Any) -> str | None:
+    """The row-parallel module whose own output ``node`` is (its partial sum can then
+    leave with a reduce-scatter instead of an all-reduce and a split)."""
+    m = innermost_module(node)
+    mp = plan.modules.get(m)
+    if mp is None or not mp.reduce_output or any(_inside(u, m) for u in node.users):
+        return None
+    return m
 
 
 def _params_feeding(nodes: list[fx.Node], tags: dict, params: dict[str, str]) -> set[str]:
@@ -243,7 +269,7 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
             out["refused"][b] = "no tensor-parallel region" if rs == [] else "tensor-parallel ops in the block's own code"
             continue
         try:
-            per_block[b] = _plan_block(b, rs, cap, names)
+            per_block[b] = _plan_block(b, rs, cap, names, plan)
         except _Refused as why:
             out["refused"][b] = str(why)
     for stack, reps in cap.stacks.members.items():
@@ -257,10 +283,13 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
             for fqn in pb["grad_sum"]:
                 owner, _, leaf = (f"{stack}.{i}" + fqn[len(f"{stack}.{r}"):]).rpartition(".")
                 out["grad_sum"].setdefault(owner, {"stack": stack, "params": []})["params"].append(leaf)
+            def here(fqn: str, i: int = i, r: int = r, stack: str = stack) -> str:  # rep -> block i
+                return f"{stack}.{i}" + fqn[len(f"{stack}.{r}"):]
+
             for region in set(pb["gather"]) | set(pb["split"]):
-                name = f"{stack}.{i}" + region[len(f"{stack}.{r}"):]
-                out["regions"][name] = {"stack": stack, "gather": pb["gather"].get(region, []),
-                                        "split": pb["split"].get(region, [])}
+                out["regions"][here(region)] = {
+                    "stack": stack, "gather": pb["gather"].get(region, []),
+                    "split": [[p, d, here(m) if m else None] for p, d, m in pb["split"].get(region, [])]}
     for b, why in out["refused"].items():
         if blocks[b] in out["stacks"]:
             continue
@@ -318,10 +347,18 @@ class _Stream:
 
     on: bool = False
     length: int = 0
+    left: int = 0  # row outputs that left the current region already split
 
 
-def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], group: Any) -> None:
-    """Hook the splits and gathers of ``seq`` (:func:`plan_sequence`) onto ``model``."""
+def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], backend: Any) -> None:
+    """Hook the splits and gathers of ``seq`` (:func:`plan_sequence`) onto ``model``.
+
+    Where the plan allows, a region's input enters with :func:`~tpcompile.comm.enter_tp`
+    (its backward reduce-scatter replaces the columns' all-reduce) and a row module's
+    partial sum leaves with :func:`~tpcompile.comm.leave_tp` (a reduce-scatter instead
+    of an all-reduce and a split): the same traffic as plain TP."""
+    group = backend.group
+    fused = hasattr(backend, "mark_entered") and hasattr(backend, "exit_reducers")
     mods = dict(model.named_modules())
     streams = {stack: _Stream() for stack in seq["stacks"]}
     wanted = {"on": True}
@@ -335,45 +372,80 @@ def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], group: Any)
 
     model.register_forward_pre_hook(root_pre, with_kwargs=True)
     for stack, spec in seq["stacks"].items():
-        st = streams[stack]
-        path, dim = spec["stream"]
-
-        def first_pre(mod: nn.Module, args: tuple, kwargs: dict, st: _Stream = st, path: Path = path,
-                      dim: int = dim) -> tuple[tuple, dict]:
-            x = _get({"args": args, "kwargs": kwargs}, path)
-            st.on = wanted["on"] and isinstance(x, torch.Tensor) and torch.is_tensor(x) and x.dim() > dim
-            if not st.on:
-                return args, kwargs
-            st.length = x.shape[dim]
-            return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
-
-        def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, st: _Stream = st,
-                      paths: list = [spec["output"]]) -> Any:  # noqa: B006 (bound per stack)
-            if not st.on:
-                return out
-            st.on = False
-            return _map_out(out, paths, lambda t, d: gather_tokens(t, group, d, st.length))
-
-        mods[spec["first"]].register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
-        mods[spec["last"]].register_forward_hook(last_post, with_kwargs=True)
+        _hook_stack(mods[spec["first"]], mods[spec["last"]], spec, streams[stack], wanted, group)
     for name, spec in seq.get("grad_sum", {}).items():
         _sum_grads(mods[name], spec["params"], streams[spec["stack"]], group)
     for name, spec in seq["regions"].items():
         st = streams[spec["stack"]]
+        for _path, dim, row in spec["split"]:
+            if row and fused:
+                backend.exit_reducers[id(mods[row])] = _leaver(st, group, dim)
+        _hook_region(mods[name], spec, st, backend if fused else None, group)
 
-        def pre(mod: nn.Module, args: tuple, kwargs: dict, st: _Stream = st,
-                paths: list = spec["gather"]) -> tuple[tuple, dict]:  # noqa: B006
-            if not st.on:
-                return args, kwargs
-            return _map_call(args, kwargs, paths, lambda t, d: gather_tokens(t, group, d, st.length))
 
-        def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, st: _Stream = st,
-                 paths: list = spec["split"]) -> Any:  # noqa: B006
-            return _map_out(out, paths, lambda t, d: split_tokens(t, group, d)) if st.on else out
+def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, wanted: dict, group: Any) -> None:
+    """Split the stream entering the stack's first block, gather it leaving the last."""
+    path, dim = spec["stream"]
 
-        # prepend: the tokens are whole before the TP hooks (copy_to_tp) see them
-        mods[name].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-        mods[name].register_forward_hook(post, with_kwargs=True)
+    def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = _get({"args": args, "kwargs": kwargs}, path)
+        st.on = wanted["on"] and isinstance(x, torch.Tensor) and x.dim() > dim
+        if not st.on:
+            return args, kwargs
+        st.length = x.shape[dim]
+        return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+
+    def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if not st.on:
+            return out
+        st.on = False
+        return _map_out(out, [spec["output"]], lambda t, d: gather_tokens(t, group, d, st.length))
+
+    first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
+    last.register_forward_hook(last_post, with_kwargs=True)
+
+
+def _leaver(st: _Stream, group: Any, dim: int) -> Any:
+    """A row module's exit while the stream is split: pad, then reduce-scatter."""
+    def leave(t: torch.Tensor) -> torch.Tensor | None:
+        if not st.on:
+            return None
+        st.left += 1
+        return comm.leave_tp(_pad_tokens(t, comm.group_size(group), dim), group, dim)
+    return leave
+
+
+def _hook_region(module: nn.Module, spec: dict, st: _Stream, backend: Any, group: Any) -> None:
+    def enter(t: torch.Tensor, dim: int, fuse: bool) -> torch.Tensor:
+        if not (fuse and backend is not None):
+            return gather_tokens(t, group, dim, st.length)
+        full = comm.enter_tp(t, group, dim)
+        full = full.narrow(dim, 0, st.length).contiguous() if full.shape[dim] != st.length else full
+        backend.mark_entered(full)  # the columns take it as it is: no second all-reduce
+        return full
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        st.left = 0
+        if not st.on:
+            return args, kwargs
+        for path, dim, fuse in spec["gather"]:
+            args, kwargs = _map_call(args, kwargs, [[path, dim]], lambda t, d, f=fuse: enter(t, d, f))
+        return args, kwargs
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if not st.on:
+            return out
+        for path, dim, row in spec["split"]:
+            if row and backend is not None:
+                if not st.left:  # the plan proved the row output is the region's output
+                    raise RuntimeError(f"sequence parallelism: {row} did not leave its region split")
+                continue
+            out = _map_out(out, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+        return out
+
+    # prepend: the tokens are whole before the TP hooks (copy_to_tp) see them
+    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    module.register_forward_hook(post, with_kwargs=True)
 
 
 def _sum_grads(module: nn.Module, names: list[str], st: _Stream, group: Any) -> None:

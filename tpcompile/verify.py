@@ -296,16 +296,34 @@ def _sharded_rows(module: str, plan: Any, rank: int) -> dict[tuple[int, int], to
     return out
 
 
+def _token_slice(g: torch.Tensor, w: torch.Tensor, rank: int, tp: int) -> torch.Tensor | None:
+    """Under sequence parallelism a module between regions outputs this rank's tokens:
+    the matching slice of the unsharded output (padded as the split pads)."""
+    diff = [d for d in range(w.dim()) if g.shape[d] != w.shape[d]] if g.dim() == w.dim() else []
+    if len(diff) != 1 or g.shape[diff[0]] * tp < w.shape[diff[0]]:
+        return None
+    from .sequence import _pad_tokens
+
+    d = diff[0]
+    return _pad_tokens(w, tp, d).narrow(d, rank * g.shape[d], g.shape[d])
+
+
 def _forward_check(got: list[torch.Tensor], want: list[torch.Tensor],
-                   rows_by_size: dict[tuple[int, int], torch.Tensor]) -> Check | None:
+                   rows_by_size: dict[tuple[int, int], torch.Tensor],
+                   tokens: tuple[int, int] | None = None) -> Check | None:
     """Module outputs call by call; column-parallel outputs compared on the features
-    this rank holds.  ``None`` when nothing is comparable."""
+    this rank holds, token-split ones (``tokens=(rank, tp)``) on this rank's tokens.
+    ``None`` when nothing is comparable."""
     result: Check | None = None
     for g, w in zip(got, want, strict=False):
         rows = rows_by_size.get((w.shape[-1], g.shape[-1])) if g.dim() and w.dim() else None
         if g.shape != w.shape and rows is not None and g.shape[:-1] == w.shape[:-1]:
             keep = rows >= 0
             g, w = g[..., torch.nonzero(keep).flatten()], w[..., rows[keep]]
+        elif g.shape != w.shape and tokens is not None:
+            w = _token_slice(g, w, *tokens)
+            if w is None:
+                continue
         if g.shape != w.shape:
             continue
         c = _check(g, w)
@@ -374,13 +392,17 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
     names = [n for n, m in ref.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
     result: dict[str, Any] = {"model_class": type(model).__name__, "config": model.config.to_diff_dict()}
     try:
-        transform(model, tp=world)
+        transform(model, tp=world, sequence_parallel=opts.get("sequence_parallel", False))
     except Exception as exc:  # reported, not raised: the user wants to know why
         result["error"] = f"transform failed: {type(exc).__name__}: {exc}"
         return result
     if opts.get("fault"):
         _inject_fault(model, opts["fault"], rank, world)
     result["warnings"] = list(model.tpcompile_plan.warnings)
+    if opts.get("sequence_parallel"):
+        seq = model.tpcompile_plan.sequence or {"stacks": {}, "regions": {}}
+        result["warnings"].append(f"sequence parallelism: {len(seq['regions'])} regions in "
+                                  f"{sorted(seq['stacks']) or 'no stack'}")
     recorders = [_Recorder(m, names) for m in (model, ref)]
     outs: dict[str, Any] = {}
     for who, m in (("the unsharded model", ref), ("the transformed model", model)):
@@ -396,8 +418,9 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
         r.remove()
     plan = model.tpcompile_plan
     order = list(dict.fromkeys([*recorders[1].order, *names]))  # execution order first
+    tokens = (rank, world) if plan.sequence else None
     result["forward"] = {n: _forward_check(recorders[0].outputs[n], recorders[1].outputs[n],
-                                           _sharded_rows(n, plan, rank)) for n in order}
+                                           _sharded_rows(n, plan, rank), tokens) for n in order}
     ref_params = dict(ref.named_parameters())
     grads = {n: Check() for n in order}
     for pname, p in model.named_parameters():
@@ -436,7 +459,7 @@ def _merge(results: list[dict], tp: int, tol: float) -> VerifyReport:
 
 def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: float = 1e-5,
            layers: int = 2, generate: bool = True, attn: str | None = None,
-           fault: str | None = None) -> VerifyReport:
+           fault: str | None = None, sequence_parallel: bool = False) -> VerifyReport:
     """Check ``transform(tp=tp)`` of a shrunk copy of ``config``'s model on ``tp`` local
     CPU processes against the unsharded copy.
 
@@ -450,6 +473,8 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
         attn: ``"eager"`` or ``"sdpa"`` attention (default: the model's default).
         fault: test hook -- add a constant to this module's output on one rank after
             ``transform`` (the report must then name it).
+        sequence_parallel: transform with ``sequence_parallel=True``; modules between
+            regions are compared on this rank's tokens.
 
     Example:
         >>> report = verify(presets.build_config("llama"), tp=2)    # doctest: +SKIP
@@ -457,7 +482,8 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
         (True, [])
     """
     t0 = time.perf_counter()
-    opts = {"layers": layers, "generate": generate, "attn": attn, "fault": fault}
+    opts = {"layers": layers, "generate": generate, "attn": attn, "fault": fault,
+            "sequence_parallel": sequence_parallel}
     try:
         results = spawn_local(_worker, tp, config, task, opts)
     except WorkerFailed as exc:

@@ -63,6 +63,10 @@ class TorchBackend:
         self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
         # the LM head's last gathered logits and the local shard they came from
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        # id(module) -> how a row-parallel module's partial output leaves the region
+        # instead of the all-reduce when it returns ``None`` (sequence parallelism's
+        # reduce-scatter, :mod:`tpcompile.sequence`)
+        self.exit_reducers: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 
     def reset(self) -> None:
         """Forget the shared input (each top-level forward starts a new autograd graph)."""
@@ -93,6 +97,11 @@ class TorchBackend:
         out = comm.copy_to_tp(t, self.group)
         self._last = (t, t._version, out)
         return out
+
+    def mark_entered(self, t: torch.Tensor) -> None:
+        """``t`` already entered the TP region (its backward sums the partial gradients,
+        as :func:`~tpcompile.comm.enter_tp` does): column modules use it as it is."""
+        self._last = (t, t._version, t)
 
     # ---- parameters ---------------------------------------------------------------
     def local_shard(self, full: torch.Tensor, plan: ParamPlan, rank: int | None = None) -> torch.Tensor:
@@ -192,8 +201,13 @@ class TorchBackend:
                 out = out.masked_fill(mask.unsqueeze(-1), 0)
                 return comm.reduce_from_tp(out, group)
             if exit_reduce:
+                leave = self.exit_reducers.get(id(mod))
+
                 def reduce(t: torch.Tensor) -> torch.Tensor:
-                    return comm.reduce_from_tp(t, group) if t.is_floating_point() else t
+                    if not t.is_floating_point():
+                        return t
+                    left = leave(t) if leave is not None else None
+                    return left if left is not None else comm.reduce_from_tp(t, group)
                 out = _map_tensors(out, reduce)
                 for name in row_biases:
                     out = out + _local(saved[name])
