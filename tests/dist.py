@@ -10,6 +10,10 @@ reports it as a test failure), ``RuntimeError`` otherwise.
 
 ``fn`` and ``args`` are pickled, so ``fn`` must be a module-level function of an
 importable module (e.g. a test module, whose directory is on ``sys.path``).
+
+``run_cases(world_size, cases)`` runs many named cases in that one launch (a launch
+costs ~10-20 s of interpreter start-up and imports, usually more than the case itself);
+each test then reads its own case from the result and fails with the case's name.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "global_step", "kill_at_marker", "run_distributed"]
+__all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "run_cases", "run_distributed"]
 
 _TESTS_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _TESTS_DIR.parent
@@ -184,6 +188,86 @@ def run_distributed(
         _stop(procs)
         results.close()
         results.join_thread()
+
+
+def _run_case(rank: int, world_size: int, case: tuple) -> tuple[bool, Any]:
+    """``(True, value)`` of one case on this rank, or ``(False, (kind, traceback))``."""
+    fn, *args = case
+    try:
+        return True, fn(rank, world_size, *args)
+    except Exception as exc:  # recorded per case: the other cases still run and report
+        kind = "assertion" if isinstance(exc, AssertionError) else "error"
+        return False, (kind, traceback.format_exc())
+
+
+def _cases_child(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, tuple[bool, Any]]:
+    """Every case in order on this rank; a barrier after each keeps the ranks in step.
+
+    A case that failed on one rank only may leave the others inside one of its
+    collectives: the barrier then fails (or times out), and the cases after it are
+    reported as not run rather than run out of step.
+    """
+    out: dict[str, tuple[bool, Any]] = {}
+    names = list(cases)
+    for i, name in enumerate(names):
+        out[name] = _run_case(rank, world_size, cases[name])
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - any failure here means the ranks diverged
+            why = f"not run: the ranks were out of step after case {name!r}\n{traceback.format_exc()}"
+            out.update({rest: (False, ("error", why)) for rest in names[i + 1:]})
+            break
+    return out
+
+
+class CaseResults:
+    """Per-rank results of :func:`run_cases`, read one case at a time.
+
+    ``results[name]`` is the list of that case's per-rank return values; if the case
+    raised on any rank, reading it raises instead (``AssertionError`` for a failed
+    assertion), naming the case and the rank and carrying the child's traceback.
+    """
+
+    def __init__(self, per_rank: list[dict[str, tuple[bool, Any]]]) -> None:
+        self._per_rank = per_rank
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._per_rank[0]
+
+    def __getitem__(self, name: str) -> list[Any]:
+        values = []
+        for rank, cases in enumerate(self._per_rank):
+            if name not in cases:
+                raise KeyError(f"no case {name!r}; cases: {sorted(cases)}")
+            ok, value = cases[name]
+            if not ok:
+                kind, text = value
+                error = AssertionError if kind == "assertion" else RuntimeError
+                raise error(f"case {name!r} failed on rank {rank}:\n{text}")
+            values.append(value)
+        return values
+
+
+def run_cases(
+    world_size: int, cases: dict[str, tuple], *, timeout: float = 300
+) -> CaseResults:
+    """Run named cases ``{name: (fn, *args)}`` in ONE launch of ``world_size`` processes.
+
+    Every rank calls ``fn(rank, world_size, *args)`` for each case, in order. A case
+    that raises is recorded and the next case still runs, so one broken case fails
+    only the tests that read it.  ``timeout`` bounds the whole launch.
+
+    Example::
+
+        @pytest.fixture(scope="module")
+        def world2() -> CaseResults:
+            return run_cases(2, {"generate": (_generate,), "llama": (_equivalence, "llama")})
+
+        def test_generate(world2: CaseResults) -> None:
+            for want, got in world2["generate"]:  # raises with the case name if it failed
+                assert got == want
+    """
+    return CaseResults(run_distributed(_cases_child, world_size, cases, timeout=timeout))
 
 
 def free_port() -> int:

@@ -3,7 +3,8 @@ vocab-parallel cross entropy against their single-process math.
 
 Every rank builds the same global tensors from fixed seeds, so each can compute the
 single-process reference locally and compare its own shard.  Workers are
-module-level functions so spawned processes can unpickle them.
+module-level functions so spawned processes can unpickle them; all cases of one world
+size run in one launch (module fixtures ``world2`` / ``world4``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist import run_distributed
+from dist import CaseResults, run_cases, run_distributed
 from torch import Tensor
 
 from tpcompile.comm import (
@@ -138,10 +139,32 @@ def _collectives_worker(rank: int, world: int) -> None:
     _check_megatron_mlp(rank, world)
 
 
+def _failing_worker(rank: int, world: int) -> None:
+    assert rank == 0, f"deliberate failure on rank {rank}"
+
+
+def _cases(world: int) -> dict[str, tuple]:
+    cases: dict[str, tuple] = {"collectives": (_collectives_worker,), "loss": (_loss_worker,)}
+    if world == 2:  # the failing case first: the cases after it must still run
+        cases = {"deliberate failure": (_failing_worker,), **cases,
+                 "size one": (_size_one_worker,), "loss extras": (_loss_extras_worker,)}
+    return cases
+
+
+@pytest.fixture(scope="module")
+def world2() -> CaseResults:
+    return run_cases(2, _cases(2))
+
+
+@pytest.fixture(scope="module")
+def world4() -> CaseResults:
+    return run_cases(4, _cases(4))
+
+
 @pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_match_single_process_math(world: int) -> None:
-    run_distributed(_collectives_worker, world)
+def test_collectives_match_single_process_math(world: int, request: pytest.FixtureRequest) -> None:
+    assert request.getfixturevalue(f"world{world}")["collectives"] == [None] * world
 
 
 def _size_one_worker(rank: int, world: int) -> None:
@@ -168,8 +191,8 @@ def _size_one_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow  # spawns processes
-def test_size_one_group_is_a_no_op() -> None:
-    run_distributed(_size_one_worker, 2)
+def test_size_one_group_is_a_no_op(world2: CaseResults) -> None:
+    assert world2["size one"] == [None, None]
 
 
 # --------------------------------------------------------------------------- loss
@@ -228,8 +251,10 @@ def _loss_worker(rank: int, world: int) -> None:
 
 @pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_cross_entropy_matches_full_cross_entropy(world: int) -> None:
-    run_distributed(_loss_worker, world)
+def test_vocab_parallel_cross_entropy_matches_full_cross_entropy(
+    world: int, request: pytest.FixtureRequest
+) -> None:
+    assert request.getfixturevalue(f"world{world}")["loss"] == [None] * world
 
 
 def _check_causal_lm_loss(rank: int, world: int) -> None:
@@ -295,8 +320,8 @@ def _loss_extras_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow  # spawns processes
-def test_causal_lm_loss_bf16_and_label_checks() -> None:
-    run_distributed(_loss_extras_worker, 2)
+def test_causal_lm_loss_bf16_and_label_checks(world2: CaseResults) -> None:
+    assert world2["loss extras"] == [None, None]
 
 
 # --------------------------------------------------------------------------- in-process
@@ -330,11 +355,16 @@ def test_loss_rejects_float_labels() -> None:
         vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.zeros(2), group=None, vocab_start=0)
 
 
-def _failing_worker(rank: int, world: int) -> None:
-    assert rank == 0, f"deliberate failure on rank {rank}"
-
-
 @pytest.mark.slow  # spawns processes
 def test_run_distributed_propagates_child_failures() -> None:
     with pytest.raises(AssertionError, match="deliberate failure on rank 1"):
         run_distributed(_failing_worker, 2)
+
+
+@pytest.mark.slow  # spawns processes
+def test_run_cases_fails_only_the_failing_case(world2: CaseResults) -> None:
+    # the launch of every other world-2 case here: they ran after the failure (and pass)
+    with pytest.raises(AssertionError, match=r"case 'deliberate failure' failed on rank 1:(.|\n)*"
+                                             r"deliberate failure on rank 1"):
+        world2["deliberate failure"]  # noqa: B018 - reading the case raises its failure
+    assert world2["collectives"] == [None, None]
