@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from dist import run_distributed
+from dist import CaseResults, run_cases
 from test_transform import grad_errors
 from torch import nn
 
@@ -97,9 +97,15 @@ def _blorp(rank: int, world: int) -> tuple[float, float]:
     return (got - want).abs().max().item(), max(grad_errors(model, ref, world).values())
 
 
+@pytest.fixture(scope="module")
+def world2() -> CaseResults:
+    """This module's multi-process cases, in one launch."""
+    return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,)})
+
+
 @pytest.mark.slow
-def test_meaningless_names_exact_outputs_and_grads() -> None:
-    for out_err, grad_err in run_distributed(_blorp, 2):
+def test_meaningless_names_exact_outputs_and_grads(world2: CaseResults) -> None:
+    for out_err, grad_err in world2["blorp"]:
         assert out_err < 1e-5 and grad_err < 1e-5
 
 
@@ -128,8 +134,8 @@ def _bad_tp(rank: int, world: int) -> str:
 
 
 @pytest.mark.slow
-def test_world_size_not_divisible_error() -> None:
-    for msg in run_distributed(_bad_tp, 2):
+def test_world_size_not_divisible_error(world2: CaseResults) -> None:
+    for msg in world2["bad tp"]:
         assert "not divisible by tp=3" in msg and "[1, 2]" in msg
 
 
