@@ -2,7 +2,8 @@
 
 Every test compares the tensor-parallel model with the untransformed one built from the
 same seed: forward logits, loss, and every parameter's gradient reassembled from the
-shards with the plan's own index map.
+shards with the plan's own index map.  All cases of one world size run in one launch
+(module fixtures ``world2`` / ``world4``); each test reads and checks its own case.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import CaseResults, run_cases
 from torch.distributed.tensor import DTensor
 
 import tpcompile
@@ -96,10 +97,35 @@ CASES = [
 ]
 
 
+def _case(name: str, tp: int, overrides: dict) -> str:
+    return f"{name} tp={tp} {overrides}"
+
+
+def _cases(world: int) -> dict[str, tuple]:
+    """Every case this module runs at ``world`` processes, by name."""
+    cases: dict[str, tuple] = {_case(*c): (_equivalence, *c) for c in CASES if c[1] == world}
+    if world == 2:
+        cases.update({"generate": (_generate,), "loss_parallel": (_loss_parallel,),
+                      "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,)})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def world2() -> CaseResults:
+    return run_cases(2, _cases(2), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4() -> CaseResults:
+    return run_cases(4, _cases(4), timeout=900)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "tp", "overrides"), CASES, ids=lambda v: str(v))
-def test_family_matches_unsharded(name: str, tp: int, overrides: dict) -> None:
-    results = run_distributed(_equivalence, tp, name, tp, overrides)
+def test_family_matches_unsharded(
+    name: str, tp: int, overrides: dict, request: pytest.FixtureRequest
+) -> None:
+    results = request.getfixturevalue(f"world{tp}")[_case(name, tp, overrides)]
     for r in results:
         assert r["logits"] < TOL, r
         assert r["loss"] < TOL, r
@@ -118,8 +144,8 @@ def _generate(rank: int, world: int) -> tuple[list, list]:
 
 
 @pytest.mark.slow
-def test_generate_greedy_tokens_match() -> None:
-    for want, got in run_distributed(_generate, 2):
+def test_generate_greedy_tokens_match(world2: CaseResults) -> None:
+    for want, got in world2["generate"]:
         assert got == want
 
 
@@ -137,8 +163,8 @@ def _loss_parallel(rank: int, world: int) -> tuple[float, float, float]:
 
 
 @pytest.mark.slow
-def test_loss_parallel_keeps_logits_sharded() -> None:
-    for loss_err, local_vocab, grad_err in run_distributed(_loss_parallel, 2):
+def test_loss_parallel_keeps_logits_sharded(world2: CaseResults) -> None:
+    for loss_err, local_vocab, grad_err in world2["loss_parallel"]:
         assert loss_err < TOL
         assert local_vocab == 128  # 256 / tp: the full logits never exist
         assert grad_err < TOL
@@ -167,10 +193,10 @@ def _backward_all_reduces(rank: int, world: int) -> int:
 
 
 @pytest.mark.slow
-def test_one_backward_all_reduce_per_tp_region() -> None:
+def test_one_backward_all_reduce_per_tp_region(world2: CaseResults) -> None:
     # q|k|v share one input, gate|up another: one all-reduce each, plus the LM head's input
     layers = tiny_config("llama").num_hidden_layers
-    assert run_distributed(_backward_all_reduces, 2) == [2 * layers + 1] * 2
+    assert world2["backward_all_reduces"] == [2 * layers + 1] * 2
 
 
 def _foreach_step(rank: int, world: int) -> float:
@@ -190,6 +216,6 @@ def _foreach_step(rank: int, world: int) -> float:
 
 
 @pytest.mark.slow
-def test_foreach_optimizer_and_grad_clipping_work() -> None:
+def test_foreach_optimizer_and_grad_clipping_work(world2: CaseResults) -> None:
     # GPU optimizers default to foreach kernels, which reject a mix of DTensors and tensors
-    assert max(run_distributed(_foreach_step, 2)) < TOL
+    assert max(world2["foreach"]) < TOL
