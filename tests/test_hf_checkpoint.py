@@ -2,7 +2,8 @@
 
 The contract: a transformed model's weights leave as exactly the untransformed model's
 state dict (bit-exact, every family and layout), enter from an HF directory with each
-rank reading only its own rows, and every write is atomic.
+rank reading only its own rows, and every write is atomic.  The multi-process cases of
+one world size share one launch (module fixtures ``world2`` / ``world4``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist import free_port, kill_at_marker, run_distributed
+from dist import CaseResults, free_port, kill_at_marker, run_cases
 
 import tpcompile
 from tpcompile.presets import tiny_config
@@ -60,12 +61,43 @@ def _round_trip(rank: int, world: int, cases: list) -> dict[str, list[str]]:
     return out
 
 
+READ_CASES = {2: [("llama", {}), ("gpt2", {}), ("gemma2", {})],
+              4: [("llama", {"num_key_value_heads": 2})]}
+
+
+def _cases(world: int, root: Path) -> dict[str, tuple]:
+    """Every multi-process case of this module at ``world`` processes, by name."""
+    round_trip = [(f, {}) for f in FAMILIES] if world == 2 else []
+    for sub in ("read", "saved", "translate"):  # each case writes under its own directory
+        (root / sub).mkdir()
+    cases: dict[str, tuple] = {
+        "round trip": (_round_trip, round_trip + KV_CASES[world]),
+        "shard on read": (_shard_on_read, str(root / "read"), READ_CASES[world]),
+    }
+    if world == 2:
+        cases.update({"train and save": (_train_and_save, str(root / "saved")),
+                      "from rank0": (_from_rank0,),
+                      "save native": (_save_native, str(root / "translate"))})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[CaseResults, Path]:
+    root = tmp_path_factory.mktemp("hf_checkpoint_world2")
+    return run_cases(2, _cases(2, root), timeout=900), root
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[CaseResults, Path]:
+    root = tmp_path_factory.mktemp("hf_checkpoint_world4")
+    return run_cases(4, _cases(4, root), timeout=900), root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_hf_state_dict_is_bit_exact_for_every_family(world: int) -> None:
-    cases = [(f, {}) for f in FAMILIES] if world == 2 else []
-    cases += KV_CASES[world]
-    for result in run_distributed(_round_trip, world, cases):
+def test_hf_state_dict_is_bit_exact_for_every_family(world: int, request: pytest.FixtureRequest) -> None:
+    results, _ = request.getfixturevalue(f"world{world}")
+    for result in results["round trip"]:
         bad = {k: v for k, v in result.items() if v}
         assert not bad, bad
 
@@ -92,31 +124,38 @@ def _train_and_save(rank: int, world: int, root: str) -> dict[str, list]:
 
 _PLAIN_LOAD = """
 import sys, json, torch
-sys.modules["tpcompile"] = None  # prove the directory needs no tpcompile
+sys.modules["tpcompile"] = None  # prove the directories need no tpcompile
 from transformers import AutoModelForCausalLM
-ids = torch.tensor(json.loads(sys.argv[2]))
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-with torch.no_grad():
-    print(json.dumps(model(ids).logits.tolist()))
+ids = torch.tensor(json.loads(sys.argv[1]))
+out = []
+for d in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        out.append(model(ids).logits.tolist())
+print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-def test_save_pretrained_loads_with_plain_transformers(tmp_path: Path) -> None:
+def test_save_pretrained_loads_with_plain_transformers(world2: tuple[CaseResults, Path]) -> None:
     import subprocess
     import sys
 
-    got = run_distributed(_train_and_save, 2, str(tmp_path))[0]
-    for name in SAVE_FAMILIES:
-        out = tmp_path / name
+    results, root = world2
+    got, saved = results["train and save"][0], root / "saved"
+    dirs = [saved / name for name in SAVE_FAMILIES]
+    for out in dirs:
         assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial left
-        proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(out), json.dumps(IDS.tolist())],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "were not initialized" not in proc.stderr and "MISSING" not in proc.stderr, proc.stderr
-        want = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
-        torch.testing.assert_close(torch.tensor(got[name]), want, atol=1e-5, rtol=0)
+    assert not [p for p in saved.iterdir() if p.name.startswith(".")]  # no partial left
+    # one interpreter loads every family: starting one costs more than loading a tiny model
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, json.dumps(IDS.tolist()), *map(str, dirs)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "were not initialized" not in proc.stderr and "MISSING" not in proc.stderr, proc.stderr
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, want in zip(SAVE_FAMILIES, loaded, strict=True):
+        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want), atol=1e-5, rtol=0,
+                                   msg=name)
 
 
 def _expected_bytes(model: torch.nn.Module) -> int:
@@ -160,9 +199,11 @@ def _shard_on_read(rank: int, world: int, root: str, cases: list) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_from_pretrained_reads_only_each_ranks_slices(tmp_path: Path, world: int) -> None:
-    cases = [("llama", {}), ("gpt2", {}), ("gemma2", {})] if world == 2 else [("llama", {"num_key_value_heads": 2})]
-    for per_rank in run_distributed(_shard_on_read, world, str(tmp_path), cases):
+def test_from_pretrained_reads_only_each_ranks_slices(
+    world: int, request: pytest.FixtureRequest
+) -> None:
+    results, _ = request.getfixturevalue(f"world{world}")
+    for per_rank in results["shard on read"]:
         for r in per_rank:
             assert r["err"] < 1e-5, r
             assert r["read"] == r["expected"], r  # exactly its rows, nothing else
@@ -183,8 +224,8 @@ def _from_rank0(rank: int, world: int) -> float:
 
 
 @pytest.mark.slow
-def test_load_state_dict_from_rank0_fills_meta_ranks() -> None:
-    assert max(run_distributed(_from_rank0, 2)) < 1e-5
+def test_load_state_dict_from_rank0_fills_meta_ranks(world2: tuple[CaseResults, Path]) -> None:
+    assert max(world2[0]["from rank0"]) < 1e-5
 
 
 def _save_native(rank: int, world: int, root: str) -> None:
@@ -194,13 +235,16 @@ def _save_native(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_translate_cli_turns_native_checkpoint_into_hf(tmp_path: Path) -> None:
+def test_translate_cli_turns_native_checkpoint_into_hf(
+    world2: tuple[CaseResults, Path], tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from tpcompile.cli import main
 
-    run_distributed(_save_native, 2, str(tmp_path))
-    native = tmp_path / "native"
+    results, root = world2
+    assert results["save native"] == [None, None]
+    native = root / "translate" / "native"
     meta = json.loads((native / "tpcompile.json").read_text())
     assert meta["format"] == "tpcompile-full" and meta["table"]["tp"] == 2
     assert main(["translate", str(native), str(tmp_path / "hf"), "--quiet"]) == 0
