@@ -1,4 +1,9 @@
-"""``python -m tpcompile verify``: real gloo processes, real transform, real comparisons."""
+"""``python -m tpcompile verify``: real gloo processes, real transform, real comparisons.
+
+One case runs the command in its own interpreter; the others call the same CLI entry
+point in this process (its workers are spawned either way), which saves an interpreter
+start-up and its torch/transformers imports per case.
+"""
 
 from __future__ import annotations
 
@@ -40,12 +45,19 @@ def test_verify_preset_passes() -> None:
     print(f"[verify llama --tp 2: {wall:.1f} s]")
 
 
+def _verify_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``main(["verify", *args])``: exit code, stdout and stderr (the workers' too: fd level)."""
+    code = main(["verify", *args])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
 @pytest.mark.slow
-def test_verify_injected_fault_names_the_module() -> None:
-    proc, _ = _verify("llama", "--tp", "2", "--no-generate", "--format", "json",
-                      "--inject-fault", _FAULTY)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)
+def test_verify_injected_fault_names_the_module(capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _verify_in_process(capfd, "llama", "--tp", "2", "--no-generate", "--format", "json",
+                                        "--inject-fault", _FAULTY)
+    assert code == 1, out + err
+    report = json.loads(out)
     assert report["ok"] is False and report["error"] is None
     assert report["first_divergence"] == f"{_FAULTY} (forward)"
     assert _FAULTY in report["failing"]
@@ -58,14 +70,15 @@ def test_verify_injected_fault_names_the_module() -> None:
 
 
 @pytest.mark.slow
-def test_verify_transform_error_exits_1(tmp_path: Path) -> None:
+def test_verify_transform_error_exits_1(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # 3 KV heads = 3 heads cannot split over 2 ranks; the shrunk copy keeps the 3.
     AutoConfig.for_model("llama", num_attention_heads=3, num_key_value_heads=3,
                          hidden_size=384).save_pretrained(tmp_path)
-    proc, _ = _verify(str(tmp_path / "config.json"), "--tp", "2", "--no-generate")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAILED: transform failed: TPError" in proc.stdout and "tp=2" in proc.stdout
-    assert "Traceback" not in proc.stdout + proc.stderr
+    code, out, err = _verify_in_process(capfd, str(tmp_path / "config.json"), "--tp", "2",
+                                        "--no-generate")
+    assert code == 1, out + err
+    assert "FAILED: transform failed: TPError" in out and "tp=2" in out
+    assert "Traceback" not in out + err
 
 
 def test_verify_unknown_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
