@@ -124,8 +124,9 @@ FSDP = [  # dp2 x tp2 at world 4: 10 AdamW steps equal one process
 def _cases(tp: int) -> list[tuple]:
     # 10 tokens: whole slices at tp=2, padded at tp=4; the odd lengths pad at tp=2
     cases = [(name, attn, 10, ()) for name, attn in FAMILIES.items()]
-    if tp == 2:
-        cases += [("llama", "sdpa", 7, ()), ("llama", "eager", 9, (("loss_parallel", True),))]
+    if tp == 2:  # GPT-NeoX: parallel residual, row biases added to token slices
+        cases += [("llama", "sdpa", 7, ()), ("llama", "eager", 9, (("loss_parallel", True),)),
+                  ("gpt_neox", "sdpa", 9, ())]
     return cases
 
 
@@ -152,12 +153,12 @@ def _check(results: list[dict], fsdp: list[tuple[str, dict]] = ()) -> None:
 
 @pytest.mark.slow
 def test_sequence_parallel_tp2_exact() -> None:
-    _check(run_distributed(_session, 2, _cases(2), []))
+    _check(run_distributed(_session, 2, _cases(2), [], timeout=900))
 
 
 @pytest.mark.slow
 def test_sequence_parallel_tp4_exact() -> None:
-    _check(run_distributed(_session, 4, _cases(4), FSDP), FSDP)
+    _check(run_distributed(_session, 4, _cases(4), FSDP, timeout=1200), FSDP)
 
 
 def test_plan_names_regions_and_stream() -> None:
@@ -200,3 +201,11 @@ def test_token_mixing_code_between_regions_keeps_the_stream_whole() -> None:
     plan = tpcompile.plan_model(model, 2, sequence_parallel=True)
     assert plan.sequence["stacks"] == {}
     assert any("cumsum" in w and "model.layers" in w for w in plan.warnings), plan.warnings
+
+
+def test_config_key_and_tp1() -> None:
+    from tpcompile.config import resolve_config
+
+    assert resolve_config({"tp": 2, "sequence_parallel": True}, world_size=4).sequence_parallel
+    # nothing to split at tp=1: the plan has no sequence section
+    assert tpcompile.plan_model(_build("llama", "sdpa"), 1, sequence_parallel=True).sequence is None

@@ -129,16 +129,26 @@ def _inside(node: fx.Node, fqn: str) -> bool:
     return fqn in module_path(node)
 
 
-def _regions(block: str, plan: Any, cap_rep: Any) -> list[str] | None:
-    """Children of ``block`` holding tensor-parallel modules (``None``: the block's own
-    code runs a tensor-parallel op, so no child can stand for it)."""
+def _regions(block: str, plan: Any, cap_rep: Any, modules: dict[str, nn.Module]) -> list[str] | None:
+    """The outermost *called* modules under ``block`` that hold tensor-parallel modules:
+    its children, or a container's members (T5's ``layer[i]``). ``None``: the block's
+    own code runs a tensor-parallel op, so no child can stand for it."""
     hooked = {cap_rep(m) for m, mp in plan.modules.items()
               if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output}
     hooked |= {cap_rep(p.module) for p in plan.params.values() if p.shard_dim is not None}
-    inside = [m for m in hooked if m.startswith(block + ".")]
     if block in hooked:
         return None
-    return sorted({block + "." + m[len(block) + 1:].split(".")[0] for m in inside})
+    out: set[str] = set()
+    for m in hooked:
+        if not m.startswith(block + "."):
+            continue
+        parts, name = m[len(block) + 1:].split("."), block
+        for part in parts:  # step over containers: they are never called themselves
+            name = f"{name}.{part}"
+            if not isinstance(modules.get(name), nn.ModuleList | nn.ModuleDict):
+                break
+        out.add(name)
+    return sorted(out)
 
 
 class _Refused(Exception):
@@ -257,7 +267,8 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     stacks = layer_stacks(model)
     blocks = {f"{stack}.{i}": stack for stack, n in stacks.traced_len.items() for i in range(n)}
     rep = stacks.representative
-    regions = {b: _regions(b, plan, rep) for b in blocks}
+    modules = dict(model.named_modules())
+    regions = {b: _regions(b, plan, rep, modules) for b in blocks}
     preserve = tuple(b for b in blocks if regions[b]) + tuple(r for rs in regions.values() for r in rs or ())
     cap = capture(model, example_kwargs=example_inputs(model, batch=_BATCH, seq=_SEQ, generator=None),
                   preserve=preserve)
@@ -396,9 +407,10 @@ def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, want
         return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
 
     def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        # ``st`` stays as this forward left it (the next forward's first block resets
+        # it): activation checkpointing re-runs the regions' hooks in backward
         if not st.on:
             return out
-        st.on = False
         return _map_out(out, [spec["output"]], lambda t, d: gather_tokens(t, group, d, st.length))
 
     first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)

@@ -202,15 +202,19 @@ class TorchBackend:
                 return comm.reduce_from_tp(out, group)
             if exit_reduce:
                 leave = self.exit_reducers.get(id(mod))
+                split = []
 
                 def reduce(t: torch.Tensor) -> torch.Tensor:
                     if not t.is_floating_point():
                         return t
                     left = leave(t) if leave is not None else None
+                    split.append(left is not None)
                     return left if left is not None else comm.reduce_from_tp(t, group)
                 out = _map_tensors(out, reduce)
                 for name in row_biases:
-                    out = out + _local(saved[name])
+                    bias = _local(saved[name])
+                    # added to this rank's tokens only: its gradient sums the group's
+                    out = out + (comm.all_reduce_grad(bias, group) if any(split) else bias)
             if exit_gather:
                 def gather(t: torch.Tensor) -> torch.Tensor:
                     full = comm.gather_from_tp(t, group, dim=-1)
