@@ -198,8 +198,9 @@ def _check_checkpoints(results: list[dict], root: Path) -> None:
 @pytest.mark.slow
 def test_world2_ep2_matches_single_process_and_checkpoints(tmp_path: Path) -> None:
     cases = [(fam, dict(ep=2)) for fam in FAMILIES]
+    cases.append(("mixtral", dict(ep=2, activation_checkpointing=True)))  # the dispatch recomputed
     results = run_distributed(_session, 2, cases, tmp_path)
-    for i, fam in enumerate(FAMILIES):
+    for i, (fam, _) in enumerate(cases):
         _check_training(results, f"{fam}/{i}")
         global_shape, local_shape, dims = results[0][f"{fam}/{i}"]["expert_param"]
         assert global_shape[0] == 4 and local_shape[0] == 2, (global_shape, local_shape)
@@ -209,13 +210,19 @@ def test_world2_ep2_matches_single_process_and_checkpoints(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_world4_ep2_tp2_matches_single_process() -> None:
     cases = [(fam, dict(tp=2, ep=2)) for fam in FAMILIES]
+    # tp=1: experts also sharded by FSDP2 over efsdp=2, their gradients summed over the
+    # two ranks holding the same experts; then HSDP (2 replicas of an ep=2 group)
+    cases += [("mixtral", dict(ep=2)), ("mixtral", dict(ep=2, dp_replicate=2))]
     results = run_distributed(_session, 4, cases)
-    for i, fam in enumerate(FAMILIES):
+    for i, (fam, _) in enumerate(cases):
         _check_training(results, f"{fam}/{i}")
-        global_shape, local_shape, dims = results[0][f"{fam}/{i}"]["expert_param"]
+    for i in range(len(FAMILIES)):
+        global_shape, local_shape, dims = results[0][f"{FAMILIES[i]}/{i}"]["expert_param"]
         assert local_shape[0] == 2 and local_shape[1] == global_shape[1] // 2, (global_shape, local_shape)
+    assert results[0]["mixtral/3"]["expert_param"][1][0] == 1  # 2 experts per ep rank, halved by efsdp
     # ranks (dp_shard, tp): ep rank = dp_shard coordinate (efsdp = 1)
     assert [r["mixtral/0"]["ep_rank"] for r in results] == [0, 0, 1, 1]
+    assert [r["mixtral/3"]["ep_rank"] for r in results] == [0, 1, 0, 1]  # dp_shard = efsdp x ep
     assert [r["smp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 

@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import TPError
@@ -159,7 +158,24 @@ class _Dispatch:
 
 
 def _exchange(t: torch.Tensor, out_split: list[int], in_split: list[int], group: Any) -> torch.Tensor:
-    """Rows of ``t`` to their ranks (``in_split[r]`` rows go to rank ``r``); differentiable:
-    the backward sends the gradients the opposite way."""
-    out = t.new_empty(sum(out_split), *t.shape[1:])
-    return all_to_all_single(out, t.contiguous(), out_split, in_split, group=group)
+    """Rows of ``t`` to their ranks (``in_split[r]`` rows go to rank ``r``, ``out_split[r]``
+    rows come from it); differentiable: the backward sends the gradients the opposite way."""
+    return _AllToAll.apply(t, out_split, in_split, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; backward = the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, out_split: list[int], in_split: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_split, in_split), group
+        out = t.new_empty(sum(out_split), *t.shape[1:])
+        dist.all_to_all_single(out, t.contiguous(), out_split, in_split, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        out_split, in_split = ctx.splits
+        back = grad.new_empty(sum(in_split), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_split, out_split, group=ctx.group)
+        return back, None, None, None

@@ -287,6 +287,11 @@ def _fully_shard(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh:
         for module in experts:
             fully_shard(module, **{**kwargs, "mesh": emesh})
             module.set_gradient_divide_factor(float(cfg.dp_replicate * cfg.dp_shard))
+            if cfg.dp_shard // cfg.ep > 1:
+                # sum, then divide once (gloo has no PREMUL_SUM; a power of two divides
+                # exactly). Not with one efsdp rank: FSDP2 then divides by the factor
+                # while copying and would divide again after
+                module.set_force_sum_reduction_for_comms(True)
     for fqn in blocks:
         fully_shard(model.get_submodule(fqn), **kwargs)
     fully_shard(model, **kwargs)
