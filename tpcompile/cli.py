@@ -373,6 +373,10 @@ def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], 
     header = ["parameter", "role", "global → per-rank shape", "layout", "per-rank bytes"]
     out = [f"{plan.model_class} at tp={plan.tp}", "", *_table(header, rows), ""]
     out += ["collectives (per module call, as executed):", *[f"  {x}" for x in render_modules(cost, plan.blocks)]]
+    if plan.experts:  # the MoE layers expert parallelism would split (parallelize(ep=...))
+        first = next(iter(plan.experts.values()))
+        out += ["", f"experts (from the dataflow): {len(plan.experts)} modules like {first.fqn}: "
+                    f"{first.num_experts} experts, stacked params {first.params}"]
     stats = plan.stats
     out += [
         "",
