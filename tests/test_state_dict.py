@@ -1,7 +1,9 @@
 """Honest state dicts: ``model.state_dict()`` of a transformed model is the HF model's,
 so plain torch DCP, ``load_state_dict`` and ``model.save_pretrained`` just work.
 
-Every case runs over real gloo process groups; cases are batched inside one spawn.
+Every case runs over real gloo process groups; cases are batched inside one spawn: one
+world-2 and one world-4 launch run every case (module fixtures ``world2`` / ``world4``),
+a last world-2 launch loads the DCP checkpoints both of them wrote.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import CaseResults, run_cases
 
 import tpcompile
 from tpcompile.presets import tiny_config
@@ -137,11 +139,29 @@ def _state_dicts_and_raising(rank: int, world: int, cases: list) -> dict[str, li
     return out
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("state_dict")
+
+
+@pytest.fixture(scope="module")
+def world2(root: Path) -> CaseResults:
+    return run_cases(2, {"state dicts": (_state_dicts_and_raising, TP2_CASES),
+                         "dcp save": (_dcp_world2_save, str(root / "dcp")),
+                         "hf save": (_hf_save, str(root / "hf"))}, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4(root: Path, world2: CaseResults) -> CaseResults:
+    # after world2: it loads the tp2 DCP checkpoint world2 saved
+    return run_cases(4, {"state dicts": (_state_dicts_and_raising, TP4_CASES),
+                         "dcp": (_dcp_world4, str(root / "dcp"))}, timeout=900)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_state_dict_is_the_hf_state_dict(world: int) -> None:
-    cases = TP2_CASES if world == 2 else TP4_CASES
-    for result in run_distributed(_state_dicts_and_raising, world, cases):
+def test_state_dict_is_the_hf_state_dict(world: int, request: pytest.FixtureRequest) -> None:
+    for result in request.getfixturevalue(f"world{world}")["state dicts"]:
         assert world == 4 or "raising gpt2" in result
         bad = {k: v for k, v in result.items() if v}
         assert not bad, bad
@@ -198,13 +218,13 @@ def _dcp_world2_load(rank: int, world: int, root: str) -> dict[str, list[float]]
 
 
 @pytest.mark.slow
-def test_plain_dcp_reshards_across_layouts(tmp_path) -> None:
+def test_plain_dcp_reshards_across_layouts(root: Path, world2: CaseResults, world4: CaseResults) -> None:
     import torch.distributed.checkpoint as dcp
 
-    root = str(tmp_path)
-    run_distributed(_dcp_world2_save, 2, root)
-    got = run_distributed(_dcp_world4, 4, root)[0]
-    got.update(run_distributed(_dcp_world2_load, 2, root)[0])
+    assert world2["dcp save"] == [None, None]
+    root = str(root / "dcp")
+    got = world4["dcp"][0]
+    got.update(run_cases(2, {"dcp load": (_dcp_world2_load, root)})["dcp load"][0])
     for i, (name, ov) in enumerate(DCP_CASES):
         want = _logits(_build(name, ov))
         for src in ("tp2", "dp2tp2"):
@@ -293,9 +313,9 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_model_save_pretrained_loads_with_plain_transformers(tmp_path: Path) -> None:
-    got = run_distributed(_hf_save, 2, str(tmp_path))[0]
-    dirs = [tmp_path / f"hf{i}" for i in range(len(SAVE_CASES))] + [tmp_path / "hf-fsdp"]
+def test_model_save_pretrained_loads_with_plain_transformers(root: Path, world2: CaseResults) -> None:
+    got, saved = world2["hf save"][0], root / "hf"
+    dirs = [saved / f"hf{i}" for i in range(len(SAVE_CASES))] + [saved / "hf-fsdp"]
     proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, json.dumps(IDS.tolist()), *map(str, dirs)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -309,8 +329,8 @@ def test_model_save_pretrained_loads_with_plain_transformers(tmp_path: Path) -> 
         assert (d / "notes.txt").read_text() == "keep"
         assert not (d / "model-00099-of-00099.safetensors").exists()
         assert (d / "model.safetensors.index.json").exists()  # 40KB shards
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
-    assert not (tmp_path / "refused").exists()
+    assert not [p.name for p in saved.iterdir() if p.name.startswith(".")]  # no staging left
+    assert not (saved / "refused").exists()
     for needle, msg in zip(["push_to_hub", "state_dict", "safe_serialization", "variant",
                             "distributed_checkpoint", "save_function"], got["errors"], strict=True):
         assert needle in msg, msg
