@@ -151,9 +151,21 @@ def _regions(block: str, plan: Any, cap_rep: Any, modules: dict[str, nn.Module])
     return sorted(out)
 
 
+def _called_children(block: str, modules: dict[str, nn.Module]) -> list[str]:
+    """The modules ``block``'s own forward calls: its children, a container's members."""
+    out, todo = [], [block]
+    while todo:
+        name = todo.pop()
+        for child, _ in modules[name].named_children():
+            fqn = f"{name}.{child}"
+            (todo if isinstance(modules[fqn], nn.ModuleList | nn.ModuleDict) else out).append(fqn)
+    return sorted(out)
+
+
 class _Refused(Exception):
     def __init__(self, module: str, op: str, why: str) -> None:
         super().__init__(f"{module or '<block>'}: {op} {why}")
+        self.module = module
 
 
 def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, fx.Node],
@@ -170,8 +182,15 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
                 tags[node] = Tokens(dim)
     # the residual stream: the floating token input that reaches the block's output
     # without passing through a region (rotary tables and masks only feed regions)
+    # the residual stream: the floating token input shaped like the block's output that
+    # reaches it (through regions too: BLOOM adds the residual inside attention and MLP);
+    # of several (a cross-attention's encoder states), the one that gets there outside
+    # the regions
+    out_val = b_out[0][1].meta.get("val") if b_out else None
     stream = [(p, n) for p, n in b_in if _token_dim(n) is not None and n.meta["val"].is_floating_point()
-              and b_out and _reaches(n, b_out[0][1], region_nodes)]
+              and out_val is not None and n.meta["val"].shape == out_val.shape and _reaches(n, b_out[0][1], set())]
+    if len(stream) > 1:
+        stream = [(p, n) for p, n in stream if _reaches(n, b_out[0][1], region_nodes)]
     if len(stream) != 1:
         raise _Refused(block, "input", f"has {len(stream)} residual streams, needs one")
     tags[stream[0][1]] = Tokens(_token_dim(stream[0][1]))
@@ -269,7 +288,8 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     rep = stacks.representative
     modules = dict(model.named_modules())
     regions = {b: _regions(b, plan, rep, modules) for b in blocks}
-    preserve = tuple(b for b in blocks if regions[b]) + tuple(r for rs in regions.values() for r in rs or ())
+    children = {b: _called_children(b, modules) for b in blocks if regions[b]}
+    preserve = tuple(children) + tuple(c for cs in children.values() for c in cs)
     cap = capture(model, example_kwargs=example_inputs(model, batch=_BATCH, seq=_SEQ, generator=None),
                   preserve=preserve)
     names = {n.name: n for n in cap.graph.nodes}
@@ -279,10 +299,17 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
         if not rs:
             out["refused"][b] = "no tensor-parallel region" if rs == [] else "tensor-parallel ops in the block's own code"
             continue
-        try:
-            per_block[b] = _plan_block(b, rs, cap, names, plan)
-        except _Refused as why:
-            out["refused"][b] = str(why)
+        while b not in per_block:
+            try:
+                per_block[b] = _plan_block(b, rs, cap, names, plan)
+            except _Refused as why:
+                # a child whose code mixes tokens (attention kept replicated) runs whole
+                # too: it becomes a region of its own, exact like any other
+                child = next((c for c in children[b] if why.module == c or why.module.startswith(c + ".")), None)
+                if child is None or child in rs or child not in cap.signatures:
+                    out["refused"][b] = str(why)
+                    break
+                rs = sorted([*rs, child])
     for stack, reps in cap.stacks.members.items():
         if any(f"{stack}.{r}" not in per_block for r in set(reps)):
             continue  # one refused block: the whole stack keeps the stream whole
