@@ -422,7 +422,9 @@ ACCELERATE_KEYS: dict[str, Rule] = {
     "parallelism_config_dp_shard_size": _to("dp_shard", _int),
     "parallelism_config_tp_size": _to("tp", _int),
     "parallelism_config_cp_size": Only(1, "context parallelism is not implemented"),
-    "parallelism_config_sp_size": Only(1, "sequence parallelism is not implemented"),
+    "parallelism_config_sp_size": Only(1, "accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism "
+                                          "(attention heads all-to-all), not implemented; tpcompile's "
+                                          "Megatron-style split is the sequence_parallel=True keyword"),
     **{k: NoEffect("only read when context/sequence parallelism is on (cp_size/sp_size > 1)")
        for k in ("parallelism_config_cp_backend", "parallelism_config_cp_comm_strategy",
                  "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
