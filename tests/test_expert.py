@@ -146,6 +146,9 @@ def _checkpoints(rank: int, root: Path) -> dict:
     checkpoint.load(root / "ep1", model, opt)  # and back into the ep=2 model
     out["back"] = checkpoint.hf_state_dict(model)
     out["back_ref"] = checkpoint.hf_state_dict(other)
+    # a meta model loading the HF directory: each rank reads only its experts' rows
+    loaded = tpcompile.parallelize(_build("mixtral", meta=True), ep=2, load_from=root / "hf")
+    out["load_from"] = checkpoint.hf_state_dict(loaded)
     return out
 
 
@@ -187,6 +190,7 @@ def _check_checkpoints(results: list[dict], root: Path) -> None:
             assert torch.equal(r["checkpoints"]["state_dict"][key], value), key
     loaded = AutoModelForCausalLM.from_pretrained(root / "hf").state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in ref.items())
+    assert all(torch.equal(got["load_from"][k], v) for k, v in ref.items())
     trained, resharded = got["trained"], got["resharded"]
     assert any(not torch.equal(trained[k], ref[k]) for k in ref)
     assert all(torch.equal(resharded[k], trained[k]) for k in trained)

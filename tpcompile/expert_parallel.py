@@ -74,7 +74,7 @@ def shard_experts(model: nn.Module, experts: dict[str, ExpertsPlan], mesh4: Devi
         for name in xp.params:
             p = module._parameters[name]
             module._parameters[name] = nn.Parameter(_ep_shard(p, ep_mesh, rank, ep), requires_grad=p.requires_grad)
-        module.forward = _Dispatch(module.forward, xp, group, rank, ep)
+        module.forward = _Dispatch(module.forward, xp, group, ep)
         modules.append(module)
     return modules
 
@@ -95,9 +95,8 @@ def _ep_shard(p: torch.Tensor, ep_mesh: DeviceMesh, rank: int, ep: int) -> DTens
 class _Dispatch:
     """The experts module's ``forward`` under EP: route, run the original, combine."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], xp: ExpertsPlan, group: Any, rank: int,
-                 ep: int) -> None:
-        self.forward, self.xp, self.group, self.rank, self.ep = forward, xp, group, rank, ep
+    def __init__(self, forward: Callable[..., torch.Tensor], xp: ExpertsPlan, group: Any, ep: int) -> None:
+        self.forward, self.xp, self.group, self.ep = forward, xp, group, ep
         self.local = xp.num_experts // ep
         # the first three parameters: hidden states (T, H), top-k ids (T, k), weights (T, k)
         self.names = list(inspect.signature(forward).parameters)[:3]
