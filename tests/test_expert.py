@@ -144,6 +144,9 @@ def _checkpoints(rank: int, root: Path) -> dict:
     out["next"] = [global_step(model, opt, ids[1]), global_step(other, other_opt, ids[1])]
     checkpoint.save(root / "ep1", other, other_opt)
     checkpoint.load(root / "ep1", model, opt)  # and back into the ep=2 model
+    checkpoint.save(root / "local", model, opt, kind="local")  # same layout only: ep included
+    with pytest.raises(TPError, match="local checkpoints reload only at the layout that wrote them"):
+        checkpoint.load(root / "local", other, other_opt)
     out["back"] = checkpoint.hf_state_dict(model)
     out["back_ref"] = checkpoint.hf_state_dict(other)
     # a meta model loading the HF directory: each rank reads only its experts' rows

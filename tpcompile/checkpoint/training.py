@@ -154,7 +154,11 @@ def _layout(model: nn.Module) -> dict[str, Any]:
     names = mesh.mesh_dim_names or ("tp",)
     if mesh.ndim == 1:
         return {"world": size, "mesh": {"dp": size // mesh.size(), names[0]: mesh.size()}}
-    return {"world": size, "mesh": dict(zip(names, mesh.shape, strict=True))}
+    layout = {"world": size, "mesh": dict(zip(names, mesh.shape, strict=True))}
+    ep = getattr(getattr(model, "tpcompile_parallel", None), "ep", 1)
+    if ep > 1:  # expert parallelism splits dp_shard: another owner of each expert row
+        layout["mesh"]["ep"] = ep
+    return layout
 
 
 # ---- sharded (DCP, HF layout) ---------------------------------------------------------
