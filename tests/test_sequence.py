@@ -27,7 +27,12 @@ def _build(name: str, attn: str, **overrides: object) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = tiny_config(name, **overrides)
+    if name == "bloom":  # no preset: ALiBi attention stays replicated, residual adds inside
+        from transformers import BloomConfig
+
+        cfg = BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, **overrides)
+    else:
+        cfg = tiny_config(name, **overrides)
     cfg._attn_implementation = attn
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(cfg, key):
@@ -124,9 +129,11 @@ FSDP = [  # dp2 x tp2 at world 4: 10 AdamW steps equal one process
 def _cases(tp: int) -> list[tuple]:
     # 10 tokens: whole slices at tp=2, padded at tp=4; the odd lengths pad at tp=2
     cases = [(name, attn, 10, ()) for name, attn in FAMILIES.items()]
-    if tp == 2:  # GPT-NeoX: parallel residual, row biases added to token slices
+    if tp == 2:  # GPT-NeoX: parallel residual, row biases added to token slices; BLOOM:
+        # its replicated attention runs as a region of its own; BERT: the MLP's column and
+        # row halves are two children (the sharded features between them stay whole)
         cases += [("llama", "sdpa", 7, ()), ("llama", "eager", 9, (("loss_parallel", True),)),
-                  ("gpt_neox", "sdpa", 9, ())]
+                  ("gpt_neox", "sdpa", 9, ()), ("bloom", "eager", 9, ()), ("bert", "eager", 9, ())]
     return cases
 
 

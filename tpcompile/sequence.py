@@ -175,10 +175,13 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
     io = {r: _call_io(cap.signatures[r], names) for r in regions}
     region_nodes = {n for n in cap.graph.nodes if any(_inside(n, r) for r in regions)}
     tags: dict[fx.Node, Tokens] = {}
+    sharded = _sharded_features(cap.graph, block, plan)
     for r, (_, outs) in io.items():
         for _path, node in outs:
             dim = _token_dim(node)
-            if dim is not None and any(not _inside(u, r) for u in node.users):
+            # an output carrying this rank's features (BERT's intermediate, BART's fc1)
+            # stays whole: a token split would hand other ranks' features across
+            if dim is not None and node not in sharded and any(not _inside(u, r) for u in node.users):
                 tags[node] = Tokens(dim)
     # the residual stream: the floating token input that reaches the block's output
     # without passing through a region (rotary tables and masks only feed regions)
@@ -223,6 +226,24 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
                                       tags, cap.param_of_placeholder))
     return {"stream": [stream[0][0], tags[stream[0][1]].dim], "output": [out_paths[0][0], out_paths[0][1].dim],
             "gather": gathers, "split": splits, "grad_sum": grad_sum}
+
+
+def _sharded_features(graph: fx.Graph, block: str, plan: Any) -> set[fx.Node]:
+    """Nodes of ``block`` whose values hold only this rank's features or partial sums:
+    downstream of a column-parallel module's output, until a row-parallel module's
+    output (its hook all-reduces)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if not _inside(node, block):
+            continue
+        m = innermost_module(node)
+        mp = plan.modules.get(m)
+        leaves = mp is not None and any(not _inside(u, m) for u in node.users)
+        if leaves and mp.reduce_output:
+            continue  # summed on the way out
+        if (leaves and mp.copy_inputs and not mp.gather_output) or any(x in out for x in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 def _enters_columns(node: fx.Node, region: str, plan: Any) -> bool:
