@@ -159,6 +159,12 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict]], root: Path | 
     out = {f"{fam}/{i}": _train_case(fam, layout) for i, (fam, layout) in enumerate(cases)}
     if root is not None:
         out["checkpoints"] = _checkpoints(rank, root)
+        from transformers import AutoModelForCausalLM
+
+        from tpcompile.presets import tiny_config
+
+        with pytest.raises(TPError, match="found no stacked experts in LlamaForCausalLM.*drop ep"):
+            tpcompile.parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ep=2)
     if world == 4:  # SMP's state reports the same EP position parallelize uses
         import tpcompile.smp as tsm
 
