@@ -4,8 +4,9 @@ Every case is compared with one process running the same model on the whole glob
 batch (each data-parallel rank takes its slice; losses are token means): the loss and
 *every* gradient (gathered back to the HF layout) to 1e-5 in fp32, then a few AdamW
 steps.  mixtral, qwen3_moe and qwen2_moe (a shared expert beside the routed ones) run at
-ep=2 (world 2, tp=1) and ep=2 x tp=2 (world 4); the checkpoint cases share the world-2
-launch.  Fast unit tests cover detection from the dataflow and the config errors.
+ep=2 (world 2, tp=1) and ep=2 x tp=2 (world 4); GPT-OSS (expert biases), activation
+checkpointing, efsdp=2 and HSDP join them; the checkpoint cases share the world-2 launch.
+Fast unit tests cover detection from the dataflow and the config errors.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ _CONFIGS = {
                       head_dim=16, decoder_sparse_step=1, norm_topk_prob=True),
     "qwen2_moe": dict(moe_intermediate_size=32, intermediate_size=64, shared_expert_intermediate_size=48,
                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+    # expert biases (E, 2I) / (E, H) ride along with the stacked weights
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=8),
 }
 
 
@@ -212,6 +216,7 @@ def _check_checkpoints(results: list[dict], root: Path) -> None:
 def test_world2_ep2_matches_single_process_and_checkpoints(tmp_path: Path) -> None:
     cases = [(fam, dict(ep=2)) for fam in FAMILIES]
     cases.append(("mixtral", dict(ep=2, activation_checkpointing=True)))  # the dispatch recomputed
+    cases.append(("gpt_oss", dict(ep=2)))
     results = run_distributed(_session, 2, cases, tmp_path)
     for i, (fam, _) in enumerate(cases):
         _check_training(results, f"{fam}/{i}")
