@@ -117,11 +117,20 @@ def _call_io(sig: Any, names: dict[str, fx.Node]) -> tuple[list[tuple[Path, fx.N
     return pairs(sig.inputs, sig.in_spec, True), pairs(sig.outputs, sig.out_spec, False)
 
 
-def _token_dim(node: fx.Node) -> int | None:
+def _token_count(v: torch.Tensor) -> int:
+    """Tokens per sequence in a block's output: the example's ``_SEQ`` for text; for a
+    ``(batch, tokens, features)`` output the non-batch dim (patches, audio frames)."""
+    if _SEQ in [int(x) for x in v.shape]:
+        return _SEQ
+    dims = [int(x) for x in v.shape[:-1] if int(x) != _BATCH]
+    return dims[0] if len(dims) == 1 else _SEQ
+
+
+def _token_dim(node: fx.Node, seq: int = _SEQ) -> int | None:
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return None
-    dims = [d for d, s in enumerate(v.shape) if int(s) == _SEQ]
+    dims = [d for d, s in enumerate(v.shape) if int(s) == seq]
     return dims[0] if len(dims) == 1 else None
 
 
@@ -174,29 +183,30 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
     b_in, b_out = _call_io(cap.signatures[block], names)
     io = {r: _call_io(cap.signatures[r], names) for r in regions}
     region_nodes = {n for n in cap.graph.nodes if any(_inside(n, r) for r in regions)}
-    tags: dict[fx.Node, Tokens] = {}
-    sharded = _sharded_features(cap.graph, block, plan)
-    for r, (_, outs) in io.items():
-        for _path, node in outs:
-            dim = _token_dim(node)
-            # an output carrying this rank's features (BERT's intermediate, BART's fc1)
-            # stays whole: a token split would hand other ranks' features across
-            if dim is not None and node not in sharded and any(not _inside(u, r) for u in node.users):
-                tags[node] = Tokens(dim)
-    # the residual stream: the floating token input that reaches the block's output
-    # without passing through a region (rotary tables and masks only feed regions)
-    # the residual stream: the floating token input shaped like the block's output that
+    # the residual stream: the floating input shaped like the block's output that
     # reaches it (through regions too: BLOOM adds the residual inside attention and MLP);
     # of several (a cross-attention's encoder states), the one that gets there outside
-    # the regions
+    # the regions (rotary tables and masks only feed regions)
     out_val = b_out[0][1].meta.get("val") if b_out else None
-    stream = [(p, n) for p, n in b_in if _token_dim(n) is not None and n.meta["val"].is_floating_point()
-              and out_val is not None and n.meta["val"].shape == out_val.shape and _reaches(n, b_out[0][1], set())]
+    if not isinstance(out_val, torch.Tensor):
+        raise _Refused(block, "output", "is not a tensor")
+    seq = _token_count(out_val)
+    stream = [(p, n) for p, n in b_in if _token_dim(n, seq) is not None and n.meta["val"].is_floating_point()
+              and n.meta["val"].shape == out_val.shape and _reaches(n, b_out[0][1], set())]
     if len(stream) > 1:
         stream = [(p, n) for p, n in stream if _reaches(n, b_out[0][1], region_nodes)]
     if len(stream) != 1:
         raise _Refused(block, "input", f"has {len(stream)} residual streams, needs one")
-    tags[stream[0][1]] = Tokens(_token_dim(stream[0][1]))
+    tags: dict[fx.Node, Tokens] = {}
+    sharded = _sharded_features(cap.graph, block, plan)
+    for r, (_, outs) in io.items():
+        for _path, node in outs:
+            dim = _token_dim(node, seq)
+            # an output carrying this rank's features (BERT's intermediate, BART's fc1)
+            # stays whole: a token split would hand other ranks' features across
+            if dim is not None and node not in sharded and any(not _inside(u, r) for u in node.users):
+                tags[node] = Tokens(dim)
+    tags[stream[0][1]] = Tokens(_token_dim(stream[0][1], seq))
     for node in cap.graph.nodes:
         if node in region_nodes or node in tags or not _inside(node, block):
             continue
@@ -407,6 +417,7 @@ class _Stream:
     on: bool = False
     length: int = 0
     left: int = 0  # row outputs that left the current region already split
+    open: bool = False  # split by the first block, not yet gathered by the last
 
 
 def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], backend: Any) -> None:
@@ -420,16 +431,9 @@ def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], backend: An
     fused = hasattr(backend, "mark_entered") and hasattr(backend, "exit_reducers")
     mods = dict(model.named_modules())
     streams = {stack: _Stream() for stack in seq["stacks"]}
-    wanted = {"on": True}
-
-    def root_pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        # intermediate hidden states would come back as slices: such calls stay whole
-        asks = kwargs.get("output_hidden_states")
-        if asks is None:
-            asks = getattr(getattr(mod, "config", None), "output_hidden_states", False)
-        wanted["on"] = not asks
-
-    model.register_forward_pre_hook(root_pre, with_kwargs=True)
+    wanted = {"on": True, "depth": 0}
+    _watch_outputs_asked(model, [s.rpartition(".")[0] for s in seq["stacks"]], wanted)
+    _guard_open_streams(model, streams)
     for stack, spec in seq["stacks"].items():
         _hook_stack(mods[spec["first"]], mods[spec["last"]], spec, streams[stack], wanted, group)
     for name, spec in seq.get("grad_sum", {}).items():
@@ -442,6 +446,46 @@ def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], backend: An
         _hook_region(mods[name], spec, st, backend if fused else None, group)
 
 
+def _watch_outputs_asked(model: nn.Module, stacks: list[str], wanted: dict) -> None:
+    """Calls that ask for intermediate hidden states would get slices of them: such
+    calls run whole. Watched on the model and every module above a stack, whichever
+    the user calls: the outermost call decides, an inner one can only switch off."""
+    mods = dict(model.named_modules())
+    owners = {""} | {".".join(s.split(".")[:i]) for s in stacks for i in range(1, len(s.split(".")) + 1)}
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        asks = kwargs.get("output_hidden_states")
+        if wanted["depth"] == 0:
+            if asks is None:
+                asks = getattr(getattr(mod, "config", None), "output_hidden_states", False)
+            wanted["on"] = not asks
+        elif asks:
+            wanted["on"] = False
+        wanted["depth"] += 1
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        wanted["depth"] -= 1
+
+    for name in owners:
+        mod = mods.get(name)
+        if mod is not None and not isinstance(mod, nn.ModuleList | nn.ModuleDict):
+            mod.register_forward_pre_hook(pre, with_kwargs=True)
+            mod.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _guard_open_streams(model: nn.Module, streams: dict[str, _Stream]) -> None:
+    """A stack split at its first block but never gathered (its last block skipped:
+    LayerDrop) would hand token slices to the model's head: refuse loudly."""
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        for stack, st in streams.items():
+            if st.open:
+                st.open = False
+                raise RuntimeError(f"sequence parallelism: {stack} was split but its last block did not run "
+                                   "(LayerDrop?); transform without sequence_parallel for such training")
+
+    model.register_forward_hook(post)
+
+
 def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, wanted: dict, group: Any) -> None:
     """Split the stream entering the stack's first block, gather it leaving the last."""
     path, dim = spec["stream"]
@@ -451,7 +495,7 @@ def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, want
         st.on = wanted["on"] and isinstance(x, torch.Tensor) and x.dim() > dim
         if not st.on:
             return args, kwargs
-        st.length = x.shape[dim]
+        st.length, st.open = x.shape[dim], True
         return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
 
     def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -459,6 +503,7 @@ def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, want
         # it): activation checkpointing re-runs the regions' hooks in backward
         if not st.on:
             return out
+        st.open = False
         return _map_out(out, [spec["output"]], lambda t, d: gather_tokens(t, group, d, st.length))
 
     first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
@@ -477,6 +522,11 @@ def _leaver(st: _Stream, group: Any, dim: int) -> Any:
 
 def _hook_region(module: nn.Module, spec: dict, st: _Stream, backend: Any, group: Any) -> None:
     def enter(t: torch.Tensor, dim: int, fuse: bool) -> torch.Tensor:
+        n = comm.group_size(group)
+        if t.shape[dim] * n != st.length + (-st.length % n):
+            raise RuntimeError(f"sequence parallelism: a region got {t.shape[dim]} tokens, expected this "
+                               f"rank's {(st.length + n - 1) // n} of {st.length} (was the stack's first "
+                               "block skipped, LayerDrop?)")
         if not (fuse and backend is not None):
             return gather_tokens(t, group, dim, st.length)
         full = comm.enter_tp(t, group, dim)
