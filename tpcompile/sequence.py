@@ -32,6 +32,7 @@ slices of them, so such calls run without sequence parallelism (exactly as plain
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .analysis.propagate import innermost_module, module_path
 from .analysis.tokens import Mixes, Tokens, propagate_tokens
-from .capture import Capture, capture, layer_stacks
+from .capture import Capture, LayerStacks, capture, layer_stacks
 
 __all__ = ["gather_tokens", "install_sequence_parallel", "plan_sequence", "split_tokens"]
 
@@ -217,6 +218,10 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
                            str(why)) from None
         if tag is not None:
             tags[node] = tag
+    work = [n for n in tags if _inside(n, block) and n not in region_nodes
+            and n.target not in (operator.getitem, torch.ops.aten.alias.default)]
+    if not work:  # T5: each sub-layer holds its own norm and residual add
+        raise _Refused(block, "stream", "has no token-local work between its regions (nothing to save)")
     out_paths = [(p, tags[n]) for p, n in b_out if n in tags]
     if len(out_paths) != 1 or out_paths[0][1].merged:
         raise _Refused(block, "output", "is not one token-split stream")
@@ -306,6 +311,22 @@ def _reaches(src: fx.Node, dst: fx.Node, blocked: set[fx.Node]) -> bool:
     return False
 
 
+def _block_lists(model: nn.Module, plan: Any) -> LayerStacks:
+    """The stacks of blocks: the repeated ones capture cuts, and module lists whose
+    blocks all differ (a shrunk T5: block 0 holds the position bias) but hold
+    tensor-parallel modules; lists inside another stack's blocks are part of those."""
+    stacks = layer_stacks(model)
+    hooked = list(plan.modules)
+    for fqn, mod in model.named_modules():
+        if (not isinstance(mod, nn.ModuleList) or fqn in stacks.members or len(mod) < 2
+                or any(fqn.startswith(s + ".") for s in stacks.members)
+                or not any(m.startswith(fqn + ".") for m in hooked)):
+            continue
+        stacks.members[fqn] = list(range(len(mod)))
+        stacks.traced_len[fqn] = len(mod)
+    return stacks
+
+
 def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     """Where the stream is split and gathered, for every block of every stack.
 
@@ -314,7 +335,7 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     {block: reason}}``; paths name forward arguments (``["kwargs", "hidden_states"]``)."""
     from .inputs import example_inputs
 
-    stacks = layer_stacks(model)
+    stacks = _block_lists(model, plan)
     blocks = {f"{stack}.{i}": stack for stack, n in stacks.traced_len.items() for i in range(n)}
     rep = stacks.representative
     modules = dict(model.named_modules())
@@ -341,7 +362,7 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
                     out["refused"][b] = str(why)
                     break
                 rs = sorted([*rs, child])
-    for stack, reps in cap.stacks.members.items():
+    for stack, reps in stacks.members.items():
         if any(f"{stack}.{r}" not in per_block for r in set(reps)):
             continue  # one refused block: the whole stack keeps the stream whole
         first, last = per_block[f"{stack}.{reps[0]}"], per_block[f"{stack}.{reps[-1]}"]
@@ -359,9 +380,11 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
                 out["regions"][here(region)] = {
                     "stack": stack, "gather": pb["gather"].get(region, []),
                     "split": [[p, d, here(m) if m else None] for p, d, m in pb["split"].get(region, [])]}
+    warned: set[str] = set()
     for b, why in out["refused"].items():
-        if blocks[b] in out["stacks"]:
+        if blocks[b] in out["stacks"] or blocks[b] in warned:
             continue
+        warned.add(blocks[b])  # the first refused block speaks for its stack
         plan.warnings.append(f"sequence parallelism: {blocks[b]} keeps whole sequences ({b}: {why})")
     return out
 
