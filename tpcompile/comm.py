@@ -33,6 +33,8 @@ issues no collective, so a model compiled for tp=1 pays nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -160,56 +162,30 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Forward ``y = cat_r(x_r, dim)``; backward ``dx = chunk(dy, n, dim)[r]``."""
+def _dim_pair(forward: Callable[[Tensor, ProcessGroup | None, int], Tensor],
+              backward: Callable[[Tensor, ProcessGroup | None, int], Tensor],
+              name: str, doc: str) -> type[torch.autograd.Function]:
+    """An autograd Function along one dim whose backward is ``forward``'s conjugate."""
 
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
+    def fwd(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
-        return _all_gather_cat(x, group, dim)
+        return forward(x, group, dim)
 
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _local_chunk(grad, ctx.group, ctx.dim), None, None
+    def bwd(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return backward(grad, ctx.group, ctx.dim), None, None
 
-
-class _ScatterToTP(torch.autograd.Function):
-    """Forward ``y = chunk(x, n, dim)[r]``; backward ``dx = cat_r(dy_r, dim)``."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _local_chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _all_gather_cat(grad, ctx.group, ctx.dim), None, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd), "__doc__": doc})
 
 
-class _EnterTP(torch.autograd.Function):
-    """Forward all-gather along ``dim``; backward reduce-scatter of the partial gradients."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather_cat(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _LeaveTP(torch.autograd.Function):
-    """Forward reduce-scatter along ``dim``; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _all_gather_cat(grad, ctx.group, ctx.dim), None, None
+_GatherFromTP = _dim_pair(_all_gather_cat, _local_chunk, "_GatherFromTP",
+                          "Forward ``y = cat_r(x_r, dim)``; backward ``dx = chunk(dy, n, dim)[r]``.")
+_ScatterToTP = _dim_pair(_local_chunk, _all_gather_cat, "_ScatterToTP",
+                         "Forward ``y = chunk(x, n, dim)[r]``; backward ``dx = cat_r(dy_r, dim)``.")
+_EnterTP = _dim_pair(_all_gather_cat, _reduce_scatter, "_EnterTP",
+                     "Forward all-gather along ``dim``; backward reduce-scatter of the partial gradients.")
+_LeaveTP = _dim_pair(_reduce_scatter, _all_gather_cat, "_LeaveTP",
+                     "Forward reduce-scatter along ``dim``; backward all-gather.")
 
 
 # --------------------------------------------------------------------------- public API
