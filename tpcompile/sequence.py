@@ -342,10 +342,15 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     regions = {b: _regions(b, plan, rep, modules) for b in blocks}
     children = {b: _called_children(b, modules) for b in blocks if regions[b]}
     preserve = tuple(children) + tuple(c for cs in children.values() for c in cs)
-    cap = capture(model, example_kwargs=example_inputs(model, batch=_BATCH, seq=_SEQ, generator=None),
-                  preserve=preserve)
-    names = {n.name: n for n in cap.graph.nodes}
     out: dict[str, Any] = {"stacks": {}, "regions": {}, "grad_sum": {}, "refused": {}}
+    try:
+        cap = capture(model, example_kwargs=example_inputs(model, batch=_BATCH, seq=_SEQ, generator=None),
+                      preserve=preserve)
+    except Exception as err:  # sequence parallelism is an optimization: never a crash
+        plan.warnings.append(f"sequence parallelism: off (capturing the blocks' call signatures failed: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        return out
+    names = {n.name: n for n in cap.graph.nodes}
     per_block: dict[str, dict] = {}
     for b, rs in regions.items():
         if not rs:
@@ -362,6 +367,9 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
                     out["refused"][b] = str(why)
                     break
                 rs = sorted([*rs, child])
+            except Exception as err:  # a call shape the planner does not know: stay whole
+                out["refused"][b] = f"not planned ({type(err).__name__}: {err})"
+                break
     for stack, reps in stacks.members.items():
         if any(f"{stack}.{r}" not in per_block for r in set(reps)):
             continue  # one refused block: the whole stack keeps the stream whole

@@ -78,6 +78,7 @@ _ALONG = {  # (input, dim, ...): ops along one dim, which must not be the token 
     aten.squeeze.dim, aten.unsqueeze.default, aten.gather.default, aten.cumsum.default,
 }
 
+_DIM_THIRD = {aten.topk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 # (input, normalized_shape, ...): normalize over the trailing dims
 _NORMS = {op for name in ("native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm")
           if (op := getattr(getattr(aten, name, None), "default", None)) is not None}
@@ -168,8 +169,8 @@ def _rule(node: fx.Node, tags: dict[fx.Node, Tokens]) -> Tokens:
         return Tokens(tag.dim if keep else tag.dim - sum(d < tag.dim for d in dims), tag.merged)
     if target in _ALONG:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        if target is aten.topk.default:
-            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        if target in _DIM_THIRD:  # (input, k / sizes / chunks, dim)
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1 if target is aten.topk.default else 0)
         if target in (aten.sort.default, aten._softmax.default, aten._log_softmax.default) and dim is None:
             dim = -1
         dim = _norm(int(dim), nd)
@@ -220,4 +221,9 @@ def propagate_tokens(node: fx.Node, tags: dict[fx.Node, Tokens]) -> Tokens | Non
         return None
     if not node.users and node.meta.get("val") is None:  # a check (tensor metadata asserts)
         return None
-    return _rule(node, tags)
+    try:
+        return _rule(node, tags)
+    except Mixes:
+        raise
+    except Exception as err:  # an op shape the rules do not know: refuse, never crash
+        raise Mixes(f"no token rule for this call ({type(err).__name__})") from err
