@@ -31,6 +31,12 @@ def _build(name: str, attn: str, **overrides: object) -> torch.nn.Module:
         from transformers import BloomConfig
 
         cfg = BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, **overrides)
+    elif name == "bart":  # no preset: the MLP's fc1 / fc2 are two children of the layer
+        from transformers import BartConfig
+
+        cfg = BartConfig(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2,
+                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                         decoder_ffn_dim=128, max_position_embeddings=64, **overrides)
     else:
         cfg = tiny_config(name, **overrides)
     cfg._attn_implementation = attn
@@ -133,10 +139,10 @@ def _cases(tp: int) -> list[tuple]:
     # 10 tokens: whole slices at tp=2, padded at tp=4; the odd lengths pad at tp=2
     cases = [(name, attn, 10, ()) for name, attn in FAMILIES.items()]
     if tp == 2:  # GPT-NeoX: parallel residual, row biases added to token slices; BLOOM:
-        # its replicated attention runs as a region of its own; BERT: the MLP's column and
+        # its replicated attention runs as a region of its own; BART: the MLP's column and
         # row halves are two children (the sharded features between them stay whole)
         cases += [("llama", "sdpa", 7, ()), ("llama", "eager", 9, (("loss_parallel", True),)),
-                  ("gpt_neox", "sdpa", 9, ()), ("bloom", "eager", 9, ()), ("bert", "eager", 9, ())]
+                  ("gpt_neox", "sdpa", 9, ()), ("bloom", "eager", 9, ()), ("bart", "eager", 9, ())]
     return cases
 
 
@@ -219,3 +225,11 @@ def test_config_key_and_tp1() -> None:
     assert resolve_config({"tp": 2, "sequence_parallel": True}, world_size=4).sequence_parallel
     # nothing to split at tp=1: the plan has no sequence section
     assert tpcompile.plan_model(_build("llama", "sdpa"), 1, sequence_parallel=True).sequence is None
+
+
+def test_nothing_between_regions_keeps_the_stream_whole() -> None:
+    """BERT keeps each norm and residual add inside its attention / output modules:
+    splitting its stream would only add collectives, so the plan keeps it whole."""
+    plan = tpcompile.plan_model(_build("bert", "eager"), 2, sequence_parallel=True)
+    assert plan.sequence["stacks"] == {}
+    assert any("no token-local work" in w for w in plan.warnings), plan.warnings

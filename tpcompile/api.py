@@ -301,7 +301,7 @@ def transform(
 
     (install_loss_parallel if loss_parallel else install_local_loss)(model, plan, be)
     if plan.sequence:
-        from .sequence import install_sequence_parallel
+        from .backends.sequence_parallel import install_sequence_parallel
 
         install_sequence_parallel(model, plan.sequence, be)
     model.tpcompile_mesh = tp_mesh

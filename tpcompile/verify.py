@@ -302,10 +302,10 @@ def _token_slice(g: torch.Tensor, w: torch.Tensor, rank: int, tp: int) -> torch.
     diff = [d for d in range(w.dim()) if g.shape[d] != w.shape[d]] if g.dim() == w.dim() else []
     if len(diff) != 1 or g.shape[diff[0]] * tp < w.shape[diff[0]]:
         return None
-    from .sequence import _pad_tokens
+    from .backends.sequence_parallel import pad_tokens
 
     d = diff[0]
-    return _pad_tokens(w, tp, d).narrow(d, rank * g.shape[d], g.shape[d])
+    return pad_tokens(w, tp, d).narrow(d, rank * g.shape[d], g.shape[d])
 
 
 def _forward_check(got: list[torch.Tensor], want: list[torch.Tensor],
