@@ -129,8 +129,7 @@ def _session(rank: int, world: int, cases: list[tuple], fsdp: list[tuple[str, di
     return out
 
 
-FSDP = [  # dp2 x tp2 at world 4: 10 AdamW steps equal one process
-    ("fsdp_sp", dict(tp=2)),
+FSDP = [  # dp2 x tp2 at world 4, blocks recomputed in backward: 10 AdamW steps equal one process
     ("fsdp_sp_checkpointed", dict(tp=2, activation_checkpointing=True)),
 ]
 
