@@ -231,6 +231,8 @@ def test_world4_ep2_tp2_matches_single_process() -> None:
     # tp=1: experts also sharded by FSDP2 over efsdp=2, their gradients summed over the
     # two ranks holding the same experts; then HSDP (2 replicas of an ep=2 group)
     cases += [("mixtral", dict(ep=2)), ("mixtral", dict(ep=2, dp_replicate=2))]
+    # and with sequence parallelism: the MoE layer is one region (router + dispatch) on all tokens
+    cases += [("mixtral", dict(tp=2, ep=2, sequence_parallel=True))]
     results = run_distributed(_session, 4, cases)
     for i, (fam, _) in enumerate(cases):
         _check_training(results, f"{fam}/{i}")
