@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import CaseResults, free_port, kill_at_marker, run_cases
+from plain import plain_logits
 
 import tpcompile
 from tpcompile.presets import tiny_config
@@ -122,24 +123,8 @@ def _train_and_save(rank: int, world: int, root: str) -> dict[str, list]:
     return logits
 
 
-_PLAIN_LOAD = """
-import sys, json, torch
-sys.modules["tpcompile"] = None  # prove the directories need no tpcompile
-from transformers import AutoModelForCausalLM
-ids = torch.tensor(json.loads(sys.argv[1]))
-out = []
-for d in sys.argv[2:]:
-    model = AutoModelForCausalLM.from_pretrained(d).eval()
-    with torch.no_grad():
-        out.append(model(ids).logits.tolist())
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_save_pretrained_loads_with_plain_transformers(world2: tuple[CaseResults, Path]) -> None:
-    import subprocess
-    import sys
 
     results, root = world2
     got, saved = results["train and save"][0], root / "saved"
@@ -148,11 +133,7 @@ def test_save_pretrained_loads_with_plain_transformers(world2: tuple[CaseResults
         assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
     assert not [p for p in saved.iterdir() if p.name.startswith(".")]  # no partial left
     # one interpreter loads every family: starting one costs more than loading a tiny model
-    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, json.dumps(IDS.tolist()), *map(str, dirs)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "were not initialized" not in proc.stderr and "MISSING" not in proc.stderr, proc.stderr
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = plain_logits(IDS, dirs)
     for name, want in zip(SAVE_FAMILIES, loaded, strict=True):
         torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want), atol=1e-5, rtol=0,
                                    msg=name)

@@ -9,14 +9,12 @@ a last world-2 launch loads the DCP checkpoints both of them wrote.
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from dist import CaseResults, run_cases
+from plain import plain_logits
 
 import tpcompile
 from tpcompile.presets import tiny_config
@@ -298,29 +296,11 @@ def _hf_save(rank: int, world: int, root: str) -> dict[str, list]:
     return out
 
 
-_PLAIN_LOAD = """
-import sys, json, torch
-sys.modules["tpcompile"] = None  # prove the directories need no tpcompile
-from transformers import AutoModelForCausalLM
-ids = torch.tensor(json.loads(sys.argv[1]))
-out = []
-for d in sys.argv[2:]:
-    model = AutoModelForCausalLM.from_pretrained(d).eval()
-    with torch.no_grad():
-        out.append(model(ids).logits.tolist())
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_model_save_pretrained_loads_with_plain_transformers(root: Path, world2: CaseResults) -> None:
     got, saved = world2["hf save"][0], root / "hf"
     dirs = [saved / f"hf{i}" for i in range(len(SAVE_CASES))] + [saved / "hf-fsdp"]
-    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, json.dumps(IDS.tolist()), *map(str, dirs)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "were not initialized" not in proc.stderr and "MISSING" not in proc.stderr, proc.stderr
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = plain_logits(IDS, dirs)
     for key, want in zip([*map(str, range(len(SAVE_CASES))), "fsdp"], loaded, strict=True):
         torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want), atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.tensor(got["vocab resharded"]), torch.tensor(got[str(VOCAB_CASE)]),
