@@ -22,11 +22,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..sequence import Path
 
 __all__ = ["gather_tokens", "install_sequence_parallel", "pad_tokens", "split_tokens"]
-
-Path = list[Any]  # ["args", 0] / ["kwargs", "hidden_states", 1] / [] (the value itself)
-
 
 def pad_tokens(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """``x`` padded along ``dim`` to a multiple of ``n`` with copies of the last token
@@ -46,8 +44,12 @@ def split_tokens(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
 
 def gather_tokens(x: torch.Tensor, group: Any, dim: int, length: int) -> torch.Tensor:
     """All tokens of a split value (the padding dropped)."""
-    full = comm.gather_from_tp(x, group, dim)
-    # contiguous: model code .view()s its inputs, as it may with the unsplit tensor
+    return _unpad(comm.gather_from_tp(x, group, dim), dim, length)
+
+
+def _unpad(full: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """The first ``length`` tokens, contiguous: model code ``.view()``s its inputs, as it
+    may with the unsplit tensor."""
     return full.narrow(dim, 0, length).contiguous() if full.shape[dim] != length else full
 
 
@@ -214,8 +216,7 @@ def _hook_region(module: nn.Module, spec: dict, st: _Stream, backend: Any, group
                                "block skipped, LayerDrop?)")
         if not (fuse and backend is not None):
             return gather_tokens(t, group, dim, st.length)
-        full = comm.enter_tp(t, group, dim)
-        full = full.narrow(dim, 0, st.length).contiguous() if full.shape[dim] != st.length else full
+        full = _unpad(comm.enter_tp(t, group, dim), dim, st.length)
         backend.mark_entered(full)  # the columns take it as it is: no second all-reduce
         return full
 
