@@ -147,6 +147,12 @@ def _rule(node: fx.Node, tags: dict[fx.Node, Tokens]) -> Tokens:
     if target in (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor,
                   aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         return _pointwise(node, tags)
+    if target is aten.addmm.default:  # (bias, x, weight): rows of x are tokens
+        bias, x, weight = node.args[:3]
+        rows = tags.get(x)
+        if rows is None or bias in tags or weight in tags or rows.dim != 0:
+            raise Mixes("tokens outside the row operand of a matmul")
+        return rows
     if tag is None:  # tokens arrive through a later operand: only pointwise ops allow it
         raise Mixes("tokens in a non-leading operand")
     if target in _SAME:
@@ -189,14 +195,6 @@ def _rule(node: fx.Node, tags: dict[fx.Node, Tokens]) -> Tokens:
         return tag
     if target in (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.linear.default):
         return _matmul(node, tags, tag, nd)
-    if target is aten.addmm.default:
-        if node.args[1] in tags or node.args[2] in tags or tags.get(node.args[0]) is not None:
-            if node.args[2] in tags or node.args[0] in tags:
-                raise Mixes("tokens in the weight operand")
-            t1 = tags[node.args[1]]
-            if t1.dim != 0:
-                raise Mixes("contracts over the token dim")
-            return t1
     raise Mixes("no token rule for this op")
 
 
