@@ -19,8 +19,8 @@ import time
 import torch
 from torch import nn
 
-from tpcompile.activations import checkpoint_blocks, offload_activations
-from tpcompile.presets import tiny_config
+from tpcompile.runtime import checkpoint_blocks, offload_activations
+from tpcompile.tools.presets import tiny_config
 
 MIB = 1 << 20
 

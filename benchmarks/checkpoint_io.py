@@ -104,7 +104,7 @@ def _translate_vs_merge(root: Path, repeats: int) -> tuple[list[float], list[flo
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from tpcompile.checkpoint.convert import translate_checkpoint
+    from tpcompile.checkpoint.translate import translate_checkpoint
 
     try:
         from accelerate.utils import merge_fsdp_weights

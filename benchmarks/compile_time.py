@@ -26,14 +26,14 @@ TP = 8
 PLAN_TARGET_S = 10.0
 DUMP_TARGET_S = 15.0
 DUMP_CMD = [sys.executable, "-m", "tpcompile", "dump-plan", "llama-405b", "--tp", str(TP)]
-IMPORT_CMD = [sys.executable, "-c", "import tpcompile.cli, tpcompile.api, tpcompile.presets"]
+IMPORT_CMD = [sys.executable, "-c", "import tpcompile.tools.cli, tpcompile.api, tpcompile.tools.presets"]
 DUMP_TIMEOUT_S = 120.0
 
 
 def _plan_once(preset: str) -> dict[str, float]:
     """Build the preset on meta, plan it; seconds for build, plan and its two stages."""
     from tpcompile import plan_model
-    from tpcompile.presets import build_meta_model
+    from tpcompile.tools.presets import build_meta_model
 
     t0 = time.perf_counter()
     model = build_meta_model(preset)
@@ -104,7 +104,7 @@ def run(quick: bool) -> dict[str, Any]:
                     baseline=DUMP_TARGET_S,
                     note=f"incl. interpreter start; CPU {dump_cpu:.2f} s; its own report "
                          f"(last run): {dump[-1][2].removeprefix('time: ')}"))
-    rows.append(row("  ↳ interpreter start + imports (python -c 'import tpcompile.cli, ...')",
+    rows.append(row("  ↳ interpreter start + imports (python -c 'import tpcompile.tools.cli, ...')",
                     [d[0] for d in imports],
                     note=f"the floor of any dump-plan run; CPU "
                          f"{statistics.median(d[1] for d in imports):.2f} s"))

@@ -1,7 +1,7 @@
 """dump-plan's memory estimate against the measured peak resident set of a training step.
 
 ``python benchmarks/cost_memory.py`` plans a Llama (hidden 1024, 4 layers, GQA 16/8,
-vocab 32k, fp32) at tp=2 with ``tpcompile.cost.estimate_cost`` (batch 2 × seq 256),
+vocab 32k, fp32) at tp=2 with ``tpcompile.tools.estimate_cost`` (batch 2 × seq 256),
 then runs it on 2 gloo processes: each builds the model on the meta device, transforms
 it, allocates only its shards (``to_empty``), records its resident set (the baseline:
 interpreter, libraries, the shards), and runs three AdamW steps. Reported per rank:
@@ -74,7 +74,7 @@ def _rank(rank: int) -> dict[str, int]:
 
 def main() -> None:
     import tpcompile
-    from tpcompile.cost import estimate_cost
+    from tpcompile.tools.cost import estimate_cost
 
     model = _meta_model()
     cost = estimate_cost(model, tpcompile.plan_model(model, TP), batch=BATCH, seq=SEQ)

@@ -55,7 +55,7 @@ class Spec:
     timeout_s: float = 1200.0
 
     def config(self) -> Any:
-        from tpcompile.presets import tiny_config
+        from tpcompile.tools.presets import tiny_config
 
         cfg = tiny_config(
             "llama", num_hidden_layers=self.layers, hidden_size=self.hidden,

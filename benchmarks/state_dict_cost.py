@@ -40,7 +40,7 @@ SIZE = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4, 
 def _build(name: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.presets import tiny_config
+    from tpcompile.tools.presets import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config(name, **{k: v for k, v in SIZE.items() if k != "head_dim" or name == "llama"})

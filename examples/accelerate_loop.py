@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import tpcompile
 from tpcompile.integrations import prepare
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 
 def main() -> None:

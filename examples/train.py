@@ -32,7 +32,7 @@ Resume: run the same command again with a larger ``--steps``.
 
 The synthetic task (arithmetic progressions of token ids modulo the vocabulary) is
 learnable, so the loss falls. For real data, replace :func:`global_batch` with your loader
-and give each data-parallel rank its slice (``tpcompile.fsdp.data_parallel_rank``).
+and give each data-parallel rank its slice (``tpcompile.data_parallel_rank``).
 Dropout RNG state is not checkpointed (the tiny Llama has none); exact resumption of a
 model with dropout would also need each rank's RNG state.
 """
@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 import tpcompile
 import tpcompile.checkpoint as ckpt
-from tpcompile.fsdp import data_parallel_rank
+from tpcompile import data_parallel_rank
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
@@ -128,7 +128,7 @@ def build_meta_model(args: argparse.Namespace) -> nn.Module:
     if args.model_dir:
         config = AutoConfig.from_pretrained(args.model_dir)
     else:
-        from tpcompile.presets import tiny_config
+        from tpcompile.tools.presets import tiny_config
 
         config = tiny_config(args.preset)
     with torch.device("meta"):

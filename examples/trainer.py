@@ -36,7 +36,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import tpcompile
 from tpcompile.integrations import TPTrainerCallback
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 DATASET_SIZE = 10_000  # fixed, so a resumed run with more --steps sees the same shuffled order
 

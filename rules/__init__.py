@@ -6,7 +6,7 @@ itself on import.  :func:`default_rules` lists them in precedence order (later w
 
 Writing a rule::
 
-    from tpcompile.analysis.propagate import rule
+    from tpcompile.rules import rule
     from tpcompile.rules.pointwise import pointwise
 
     @rule(torch.ops.my_lib.fused_gelu)
@@ -16,7 +16,7 @@ Writing a rule::
 
 from __future__ import annotations
 
-from tpcompile.analysis.propagate import Rule
+from tpcompile.analysis.propagate import Rule, RuleSet, rule
 
 from .contract import CONTRACT_RULES
 from .memory import MEMORY_RULES
@@ -24,7 +24,7 @@ from .pointwise import POINTWISE_RULES
 from .reduce import REDUCE_RULES
 from .shape import SHAPE_RULES
 
-__all__ = ["default_rules"]
+__all__ = ["Rule", "RuleSet", "default_rules", "rule"]
 
 
 def default_rules() -> list[Rule]:

@@ -301,7 +301,7 @@ def global_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
 
     A model without ``tpcompile_parallel`` (not parallelized) trains on the whole batch.
     """
-    from tpcompile.fsdp import data_parallel_rank
+    from tpcompile import data_parallel_rank
 
     distributed = dist.is_initialized() and hasattr(model, "tpcompile_parallel")
     rank, size = data_parallel_rank(model) if distributed else (0, 1)

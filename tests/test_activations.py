@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tpcompile
-from tpcompile.activations import OffloadHandle, checkpoint_blocks, offload_activations
-from tpcompile.presets import tiny_config
+from tpcompile.runtime import OffloadHandle, checkpoint_blocks, offload_activations
+from tpcompile.tools.presets import tiny_config
 
 LAYERS = 4
 BLOCKS = [f"model.layers.{i}" for i in range(LAYERS)]

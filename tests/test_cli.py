@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tpcompile import presets
-from tpcompile.cli import build_parser, main
+from tpcompile.tools import presets
+from tpcompile.tools.cli import build_parser, main
 
 __all__: list[str] = []
 

@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from dist import CaseResults, run_cases, run_distributed
 from torch import Tensor
 
-from tpcompile.comm import (
+from tpcompile.runtime.comm import (
     all_reduce_grad,
     copy_to_tp,
     gather_from_tp,
     reduce_from_tp,
     scatter_to_tp,
 )
-from tpcompile.loss import loss_parallel_causal_lm_loss, vocab_parallel_cross_entropy
+from tpcompile.runtime.loss import loss_parallel_causal_lm_loss, vocab_parallel_cross_entropy
 
 __all__: list[str] = []
 

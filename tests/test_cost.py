@@ -1,6 +1,6 @@
 """dump-plan's cost section against a real training step with every collective counted.
 
-The prediction (``tpcompile.cost.estimate_cost`` on a meta-device copy, no process
+The prediction (``tpcompile.tools.estimate_cost`` on a meta-device copy, no process
 group) must equal, per rank, the collectives one forward + backward actually issues
 (after two warm-up steps, so one-time work is not counted):
 every ``torch.distributed`` function the code can reach is wrapped and counted, with
@@ -23,9 +23,9 @@ from dist import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpcompile
-from tpcompile import presets
-from tpcompile.cost import COLLECTIVES, estimate_activations, estimate_cost, trace_collectives
 from tpcompile.errors import TPError
+from tpcompile.tools import presets
+from tpcompile.tools.cost import COLLECTIVES, estimate_activations, estimate_cost, trace_collectives
 
 BATCH, SEQ = 2, 16
 _WARMUP = 2  # steps before the counted one (lazy init, first-forward input checks)
@@ -126,7 +126,7 @@ def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, d
         else:
             tpcompile.transform(model, tp=tp, loss_parallel=loss_parallel)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        dp_rank = tpcompile.fsdp.data_parallel_rank(model)[0] if dp_shard > 1 else 0
+        dp_rank = tpcompile.data_parallel_rank(model)[0] if dp_shard > 1 else 0
         ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(dp_rank))
         for _ in range(_WARMUP):  # a step's cost is the steady state's: no one-time work
             model(ids, labels=ids).loss.backward()

@@ -13,7 +13,7 @@ from torch import nn
 
 import tpcompile
 from tpcompile import Role, TPError
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 HEADS, HD, HIDDEN, VOCAB = 4, 16, 64, 256
 
@@ -209,7 +209,7 @@ def test_overrides_force_replicated_and_reject_contradictions() -> None:
 def test_te_backend_explains_itself_without_cuda() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from tpcompile.api import _backend
+    from tpcompile.runtime.backend import make_backend as _backend
 
     with pytest.raises(TPError, match="backend='te'"):
         _backend("te", DeviceMesh.__new__(DeviceMesh))
@@ -237,7 +237,7 @@ def test_fixups_are_exactly_the_sizes_the_trace_uses() -> None:
 
 
 def test_coincidental_attribute_values_are_left_alone() -> None:
-    from tpcompile.presets import build_meta_model
+    from tpcompile.tools.presets import build_meta_model
 
     # Gemma-2-9B: sliding_window 4096 equals the query width; Llama-3-8B: 32 layers
     # equal 32 heads. Neither attribute shapes a tensor in attention.

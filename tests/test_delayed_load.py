@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import tpcompile
 import tpcompile.checkpoint as ckpt
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 REL = 1e-5
 LR = 1e-2
@@ -131,14 +131,14 @@ def _bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def _load_case(tiny: str, layout: dict[str, int]) -> dict[str, Any]:
     """Delayed load at ``layout``; the same layout from an eagerly loaded model; training."""
-    from tpcompile import fsdp
+    from tpcompile.runtime.materialize import Materializer
 
-    original = fsdp._Materializer.run
-    fsdp._Materializer.run = _fail_init  # nothing may be initialized, only read
+    original = Materializer.run
+    Materializer.run = _fail_init  # nothing may be initialized, only read
     try:
         model = tpcompile.parallelize(_meta_model(tiny), load_from=tiny, **layout)
     finally:
-        fsdp._Materializer.run = original
+        Materializer.run = original
     out: dict[str, Any] = {
         "mesh": tuple(model.tpcompile_mesh.shape),
         "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),

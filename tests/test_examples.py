@@ -49,7 +49,7 @@ def _train(tmp: Path, steps: int, ckpt: str, out: str, log_json: str | None = No
 def test_train_example_resumes_exactly_and_exports(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.presets import tiny_config
+    from tpcompile.tools.presets import tiny_config
 
     first, _ = _train(tmp_path, 4, "ckpt", "out-first")
     resumed, log = _train(tmp_path, 6, "ckpt", "out-resumed", "resumed.json")

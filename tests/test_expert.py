@@ -95,7 +95,7 @@ def _train_case(family: str, layout: dict) -> dict:
     model = _build(family)
     tpcompile.parallelize(model, **layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    from tpcompile.fsdp import data_parallel_rank
+    from tpcompile import data_parallel_rank
 
     rank, size = data_parallel_rank(model)
     losses, grads = [], {}
@@ -165,7 +165,7 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict]], root: Path | 
         out["checkpoints"] = _checkpoints(rank, root)
         from transformers import AutoModelForCausalLM
 
-        from tpcompile.presets import tiny_config
+        from tpcompile.tools.presets import tiny_config
 
         with pytest.raises(TPError, match="found no stacked experts in LlamaForCausalLM.*drop ep"):
             tpcompile.parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ep=2)
@@ -278,7 +278,7 @@ def test_names_do_not_matter_and_dense_models_have_no_experts() -> None:
     model has none; an expert count ep does not divide names the module."""
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.presets import tiny_config
+    from tpcompile.tools.presets import tiny_config
 
     model = _build("mixtral", meta=True)
     for layer in model.model.layers:

@@ -20,8 +20,8 @@ from families import GENERATES, build
 from test_transform import grad_errors
 
 import tpcompile
+from tpcompile.capture import example_inputs
 from tpcompile.errors import TPError
-from tpcompile.inputs import example_inputs
 
 TOL = 1e-5
 CASES_TP2 = [
@@ -182,8 +182,8 @@ def test_self_check_catches_a_wrong_fixup() -> None:
     from tpcompile.analysis.fixups import find_fixups
     from tpcompile.analysis.roles import analyze
     from tpcompile.analysis.selfcheck import check_local
-    from tpcompile.api import _ruleset
     from tpcompile.capture import capture
+    from tpcompile.plan.build import _ruleset
 
     model = build("phi3", "eager", meta=True)
     cap = capture(model)
@@ -274,7 +274,7 @@ class _PadScan(torch.nn.Module):
 def test_padding_and_tiling_off_the_feature_dim_keep_the_split() -> None:
     from transformers import AutoConfig
 
-    from tpcompile.verify import build_small_model
+    from tpcompile.tools.verify import build_small_model
 
     with torch.device("meta"):
         model = _PadScan()

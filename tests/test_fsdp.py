@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import tpcompile
 from tpcompile.errors import TPError
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 STEPS = 10
 REL = 1e-5

@@ -18,7 +18,7 @@ from dist import CaseResults, free_port, kill_at_marker, run_cases
 from plain import plain_logits
 
 import tpcompile
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral", "bert"]
 KV_CASES = {2: [("llama", {"num_key_value_heads": 1}), ("qwen3", {"num_key_value_heads": 1})],
@@ -141,7 +141,7 @@ def test_save_pretrained_loads_with_plain_transformers(world2: tuple[CaseResults
 
 def _expected_bytes(model: torch.nn.Module) -> int:
     """Bytes a rank must read: its non-padding rows of sharded tensors, all of the rest."""
-    from tpcompile.checkpoint.shards import tp_context
+    from tpcompile.runtime.shards import tp_context
 
     table, rank = model.tpcompile_table, tp_context(model).rank
     total = 0
@@ -221,7 +221,7 @@ def test_translate_cli_turns_native_checkpoint_into_hf(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.cli import main
+    from tpcompile.tools.cli import main
 
     results, root = world2
     assert results["save native"] == [None, None]
@@ -290,7 +290,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
 
 
 def _table_tp1(model: torch.nn.Module) -> tpcompile.TranslationTable:
-    from tpcompile.translate import build_table
+    from tpcompile.plan import build_table
 
     return build_table(model, tpcompile.plan_model(model, 1))
 

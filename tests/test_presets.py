@@ -1,4 +1,4 @@
-"""Tests for tpcompile.presets: real-size meta models, tiny CPU models, config loading."""
+"""Tests for tpcompile.tools.presets: real-size meta models, tiny CPU models, config loading."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from tpcompile.presets import (
+from tpcompile.tools.presets import (
     ALIASES,
     PRESETS,
     TASK_MASKED_LM,

@@ -17,7 +17,7 @@ from dist import run_distributed
 from test_transform import grad_errors
 
 import tpcompile
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 TOL = 1e-5
 FAMILIES = {"llama": "sdpa", "gemma2": "eager", "qwen3": "eager", "mixtral": "sdpa", "gpt2": "eager"}

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoConfig, PreTrainedConfig
 
-from tpcompile import presets
 from tpcompile.errors import TPError
-from tpcompile.shrink import count_for_tp, shrink_config, size_for_tp
-from tpcompile.verify import _inputs, build_small_model
+from tpcompile.tools import presets
+from tpcompile.tools.shrink import count_for_tp, shrink_config, size_for_tp
+from tpcompile.tools.verify import _inputs, build_small_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral",
             "bert", "t5", "vit", "whisper", "mamba", "deepseek_v3", "qwen2_moe", "gpt_oss", "falcon",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from dist import global_step, run_distributed
 
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 REL = 1e-4
 RESUME_REL = 1e-5  # the losses after a resume, where a lost optimizer moment shows

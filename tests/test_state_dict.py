@@ -17,7 +17,7 @@ from dist import CaseResults, run_cases
 from plain import plain_logits
 
 import tpcompile
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 IDS = torch.randint(0, 250, (2, 7), generator=torch.Generator().manual_seed(3))
 # plain, tied + Conv1D fused QKV, fused qkv/gate_up, fused 3-D experts, masked LM,

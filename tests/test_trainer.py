@@ -46,7 +46,7 @@ class _Tokens(torch.utils.data.Dataset):
 def _model() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.presets import tiny_config
+    from tpcompile.tools.presets import tiny_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config("llama"))

@@ -18,7 +18,7 @@ from dist import free_port, global_step, kill_at_marker, run_distributed
 
 import tpcompile
 import tpcompile.checkpoint as ckpt
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 REL = 1e-5
 LR = 1e-2
@@ -127,7 +127,7 @@ def test_checkpoints_resume_at_other_layouts(tmp_path: Path) -> None:
     # translate: sharded and local checkpoints become HF directories of the saved weights
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.cli import main
+    from tpcompile.tools.cli import main
 
     saved = first["hf"]
     assert any(not torch.equal(saved[k], v) for k, v in first["fresh_hf"].items())

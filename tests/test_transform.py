@@ -16,7 +16,7 @@ from dist import CaseResults, run_cases
 from torch.distributed.tensor import DTensor
 
 import tpcompile
-from tpcompile.presets import tiny_config
+from tpcompile.tools.presets import tiny_config
 
 TOL = 1e-5
 

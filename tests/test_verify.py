@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from tpcompile.cli import main
+from tpcompile.tools.cli import main
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _FAULTY = "model.layers.1.mlp.up_proj"

@@ -2,22 +2,27 @@
 
     model = tpcompile.transform(model, tp=8)      # inside torch.distributed
 
-The model is captured with ``torch.export``, every module's role is read off the dataflow
-(no per-model policy), parameters are sharded as DTensors and collectives are hooked
-around the model's own code.
+The model is captured with ``torch.export`` (:mod:`tpcompile.capture`), every module's
+role is read off the dataflow (:mod:`tpcompile.analysis`, no per-model policy), the
+decisions are written down as a :class:`Plan` (:mod:`tpcompile.plan`) and applied from
+outside by one composer in a fixed order (:mod:`tpcompile.compose`,
+:mod:`tpcompile.runtime`); checkpoints speak the HF format (:mod:`tpcompile.checkpoint`).
 """
 
 from __future__ import annotations
 
-from .api import plan_model, transform
-from .checkpoint import from_pretrained, hf_state_dict, load_hf_weights, save_pretrained
+from . import _moved
+from .api import data_parallel_rank, from_pretrained, parallelize, plan_model, transform
+from .checkpoint import hf_state_dict, load_hf_weights, save_pretrained
+from .config import ParallelConfig
 from .errors import TPError
-from .fsdp import parallelize
-from .plan import ModulePlan, ParamPlan, Plan, Role
-from .translate import TranslationTable
+from .plan import ModulePlan, ParamPlan, Plan, Role, TranslationTable
+
+_moved.install()
 
 __all__ = [
-    "ModulePlan", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable", "from_pretrained",
-    "hf_state_dict", "load_hf_weights", "parallelize", "plan_model", "save_pretrained", "transform",
+    "ModulePlan", "ParallelConfig", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable",
+    "data_parallel_rank", "from_pretrained", "hf_state_dict", "load_hf_weights", "parallelize", "plan_model",
+    "save_pretrained", "transform",
 ]
 __version__ = "0.1.0"

@@ -1,10 +1,10 @@
-"""``python -m tpcompile``: the command-line interface (see :mod:`tpcompile.cli`)."""
+"""``python -m tpcompile``: the command-line interface (see :mod:`tpcompile.tools.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 __all__: list[str] = []
 

@@ -1,234 +1,38 @@
-"""The front door: ``transform`` and ``plan_model``."""
+"""The front doors: ``plan_model``, ``transform``, ``parallelize``, ``from_pretrained``.
+
+Each validates its arguments, builds the meshes (:class:`~tpcompile.runtime.mesh.ParallelDims`),
+plans (or checks a given plan) and hands a :class:`~tpcompile.compose.Job` to the composer,
+which applies the parallelisms in one fixed order (:mod:`tpcompile.compose`).
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
-import re
-import time
-import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from .analysis.experts import expert_plans
-from .analysis.fixups import find_fixups, verify_fixups
-from .analysis.propagate import Rule, RuleSet, module_path
-from .analysis.roles import Analyzed, analyze
-from .analysis.selfcheck import (
-    Mismatch,
-    SelfCheckError,
-    check_local,
-    raise_mismatches,
-    resolve_fixups,
-)
-from .analysis.state import Feat, Partial
-from .capture import Capture, capture
+from .analysis.propagate import Rule
+from .checkpoint.hf import load_hf_weights
+from .checkpoint.pretrained import CheckpointLoader, check_checkpoint_dir, materialize_buffers
+from .checkpoint.pretrained import model_class as default_model_class
+from .compose import Job, compose, tensor_parallel
+from .config import resolve_config
 from .errors import TPError
-from .plan import Plan, key_matches
-from .rewrite import apply_plan, build_plan
-from .translate import build_table
+from .plan import Plan, check_plan, plan_model
+from .runtime.backend import BACKENDS as _BACKENDS
+from .runtime.backend import make_backend
+from .runtime.materialize import Materializer
+from .runtime.mesh import ParallelDims, data_parallel_rank, device_type
+from .runtime.mesh import tp_mesh as tp_mesh_of
 
-__all__ = ["plan_model", "transform"]
-
-_BACKENDS = ("auto", "torch", "te")
-_SELF_CHECK_RETRIES = 4  # strict=False: modules replicated one by one until the check passes
-
-
-def _ruleset(rules: Iterable[Rule] | None) -> RuleSet:
-    from tpcompile.rules import default_rules
-
-    return RuleSet().add(default_rules()).add(rules or [])
-
-
-def plan_model(
-    model: nn.Module,
-    tp: int,
-    *,
-    loss_parallel: bool = False,
-    rules: Iterable[Rule] | None = None,
-    overrides: dict[str, str] | None = None,
-    strict: bool = True,
-    example_inputs: dict[str, Any] | None = None,
-    ep: int = 1,
-    sequence_parallel: bool = False,
-) -> Plan:
-    """Decide how to split ``model`` over ``tp`` ranks, without touching it.
-
-    Needs no process group and no weights: build the model on the meta device to plan a
-    405B model on a laptop.  ``example_inputs`` is one batch of keyword arguments the
-    forward accepts; by default it is built from the model itself
-    (:func:`tpcompile.inputs.example_inputs`).  The stacked-experts modules of a MoE
-    model are recorded in ``plan.experts`` whatever ``ep``; with ``ep > 1`` (expert
-    parallelism, applied by :func:`tpcompile.parallelize`) the expert count must divide
-    by it and the attributes holding it are found.
-
-    Example:
-        >>> with torch.device("meta"):
-        ...     model = AutoModelForCausalLM.from_config(cfg)      # doctest: +SKIP
-        >>> plan = plan_model(model, tp=8)
-        >>> plan.params["lm_head.weight"].role.value
-        'lm_head'
-    """
-    if not isinstance(tp, int) or tp < 1:
-        raise TPError(f"tp must be a positive integer, got {tp!r}")
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise TPError(f"ep must be a positive integer, got {ep!r}")
-    t0 = time.perf_counter()
-    cap = capture(model, example_kwargs=example_inputs)
-    t1 = time.perf_counter()
-    forced = dict(overrides or {})
-
-    def run(cap: Capture) -> Analyzed:
-        return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
-                       buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced)
-
-    for attempt in range(_SELF_CHECK_RETRIES + 1):
-        a = run(cap)
-        if _crosses_cut_blocks(a, cap):
-            # one traced block stands for its copies only if no sharded value crosses a
-            # block boundary (a conv stack without norms alternates column and row)
-            cap = capture(model, example_kwargs=example_inputs, cut_stacks=False)
-            a = run(cap)
-        try:
-            fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
-            break
-        except SelfCheckError as err:
-            # non-strict: the module the localized model failed in stays replicated
-            if strict or not err.module or attempt == _SELF_CHECK_RETRIES:
-                raise
-            warnings.warn(f"tpcompile: {err.module} kept replicated: {err.first}", stacklevel=2)
-            forced[f"re:{re.escape(err.module)}\\..*"] = "replicated"
-            a.notes.append(f"{err.module} kept replicated (self-check: {err.first})")
-    plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
-    plan.ep = ep
-    plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
-                                retrace=lambda: capture(model, example_kwargs=example_inputs).graph)
-    _check_overrides(plan, overrides)
-    if sequence_parallel and tp > 1:
-        from .sequence import plan_sequence
-
-        plan.sequence = plan_sequence(model, plan)
-    plan.stats = {
-        "capture_s": round(t1 - t0, 4),
-        "analysis_s": round(time.perf_counter() - t1, 4),
-        "analysis_passes": a.passes,
-        "traced_blocks": cap.stacks.traced_len,
-    }
-    return plan
-
-
-def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
-    """Does a sharded activation (features or a partial sum) enter or leave a block of a
-    stack the capture cut short?  Then the blocks it stands for may need other roles."""
-    cut = [stack for stack, reps in cap.stacks.members.items() if cap.stacks.traced_len[stack] < len(reps)]
-    if not cut:
-        return False
-
-    def block(node: fx.Node) -> str | None:
-        for path in module_path(node):
-            for stack in cut:
-                head, _, rest = path.partition(stack + ".")
-                if not head and rest:
-                    return f"{stack}.{rest.split('.')[0]}"
-        return None
-
-    for node, value in a.an.value.items():
-        if not isinstance(value, Feat | Partial):
-            continue
-        here = block(node)
-        if any(block(u) != here for u in node.users if u.op == "call_function"):
-            return True
-    return False
-
-
-def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
-                  example_inputs: dict[str, Any] | None) -> dict[str, dict[str, list[int]]]:
-    """Hard-coded sizes made rank-local, proven by tracing rank 0's localized model.
-
-    Candidates whose local value does not change the traced graph are dropped; sizes
-    two attributes share globally are resolved by trying assignments; whatever remains
-    inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
-    def retrace() -> fx.Graph:
-        return capture(model, example_kwargs=example_inputs).graph
-
-    fixups, ambiguous = find_fixups(a, model)
-    if fixups:
-        fixups = verify_fixups(model, fixups, cap.graph, retrace)
-
-    def trace(shadow: nn.Module) -> fx.Graph:
-        inputs = None if example_inputs is None else {
-            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
-        return capture(shadow, example_kwargs=inputs).graph
-
-    def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
-        return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
-                           representative=cap.stacks.representative)
-
-    problems = check(fixups)
-    if problems and ambiguous:  # only then: keep the attributes the forward turns into a shape
-        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in ambiguous.items()}
-        kept = verify_fixups(model, probe, cap.graph, retrace)
-        ambiguous = {m: {k: ambiguous[m][k] for k in attrs} for m, attrs in kept.items()}
-    fixups, problems = resolve_fixups(fixups, ambiguous, check, problems)
-    raise_mismatches(problems, model, tp)
-    return fixups
-
-
-def _check_overrides(plan: Plan, overrides: dict[str, str] | None) -> None:
-    for key, role in (overrides or {}).items():
-        hits = [f for f in plan.params if key_matches(key, f)]
-        if not hits:
-            raise TPError(f"override {key!r} matches no parameter; keys are parameter FQNs or 're:<regex>'")
-        if role == "replicated":
-            continue
-        wrong = [f for f in hits if plan.params[f].role.value != role]
-        if wrong:
-            raise TPError(
-                f"override {key!r} -> {role!r} contradicts the dataflow for {wrong[:3]} "
-                f"(found {plan.params[wrong[0]].role.value!r}); only 'replicated' can be forced"
-            )
-
-
-def _resolve_mesh(model: nn.Module, tp: int, mesh: DeviceMesh | None) -> DeviceMesh:
-    if mesh is not None:
-        if mesh.ndim != 1:
-            raise TPError(f"mesh must be a 1-D tensor-parallel DeviceMesh, got {mesh.ndim}-D; pass mesh['tp']")
-        if mesh.size() != tp:
-            raise TPError(f"mesh has {mesh.size()} ranks but tp={tp}; pass tp={mesh.size()}")
-        return mesh
-    if not dist.is_available() or not dist.is_initialized():
-        raise TPError(
-            "tpcompile.transform needs an initialized process group: launch with torchrun and "
-            "call torch.distributed.init_process_group() first, or pass mesh=<1-D DeviceMesh>"
-        )
-    world = dist.get_world_size()
-    if world % tp != 0:
-        ok = [t for t in range(1, world + 1) if world % t == 0]
-        raise TPError(f"world size {world} is not divisible by tp={tp}; tp values that work: {ok}")
-    try:
-        device = next(model.parameters()).device.type
-    except StopIteration:
-        device = "cpu"
-    device = "cuda" if device == "cuda" else os.environ.get("TPCOMPILE_DEVICE", "cpu")
-    full = init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    return full["tp"]
-
-
-def _backend(name: str, mesh: DeviceMesh) -> Any:
-    if name not in _BACKENDS:
-        raise TPError(f"backend must be one of {_BACKENDS}, got {name!r}")
-    if name == "te":
-        from .backends.te_backend import TEBackend
-
-        return TEBackend(mesh)
-    from .backends.torch_backend import TorchBackend
-
-    return TorchBackend(mesh)
+__all__ = ["data_parallel_rank", "from_pretrained", "parallelize", "plan_model", "transform"]
 
 
 def transform(
@@ -245,6 +49,7 @@ def transform(
     example_inputs: dict[str, Any] | None = None,
     sequence_parallel: bool = False,
     ep: int = 1,
+    plan: Plan | None = None,
 ) -> nn.Module:
     """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
 
@@ -256,7 +61,7 @@ def transform(
     Args:
         model: a Hugging Face (or any token-in) model, on CPU, GPU or meta.
         tp: tensor-parallel degree; the world size must be a multiple of it.
-        mesh: a 1-D TP ``DeviceMesh``; default: the ``tp`` dim of a (dp, tp) mesh over
+        mesh: a 1-D TP ``DeviceMesh``; default: the ``tp`` dim of a (1, world/tp, tp) mesh over
             the default process group.
         backend: ``"auto"`` / ``"torch"`` (DTensor, everywhere) or ``"te"`` (Transformer
             Engine, GPU).
@@ -270,13 +75,18 @@ def transform(
         example_inputs: one batch of keyword arguments the forward accepts, to trace
             with; default: built from the model (``main_input_name`` and config sizes).
         sequence_parallel: between tensor-parallel regions (norms, residual adds) each
-            rank keeps only its slice of the tokens (:mod:`tpcompile.sequence`).
+            rank keeps only its slice of the tokens (:mod:`tpcompile.plan.sequence`).
         ep: the expert-parallel degree to plan for (``plan.experts``); the experts are
             split over ep ranks by :func:`tpcompile.parallelize`, transform keeps every
             expert and splits each over tp.
+        plan: apply this :class:`Plan` (``plan_model``'s, saved with ``to_json`` and
+            perhaps edited) instead of planning; it is checked against the model first.
+            The planning options (``rules``, ``overrides``, ``strict``,
+            ``example_inputs``) must then be left unset; ``loss_parallel``,
+            ``sequence_parallel`` and ``ep`` are read from the plan.
 
     The result carries ``model.tpcompile_plan`` (the :class:`Plan`) and
-    ``model.tpcompile_table`` (the :class:`~tpcompile.translate.TranslationTable`
+    ``model.tpcompile_table`` (the :class:`~tpcompile.plan.TranslationTable`
     between HF and per-rank layouts, used by every checkpoint function).
 
     Example:
@@ -287,31 +97,210 @@ def transform(
     """
     if backend not in _BACKENDS:
         raise TPError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    tp_mesh = _resolve_mesh(model, tp, mesh)
-    be = _backend(backend, tp_mesh)
-    plan = plan_model(model, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides,
-                      strict=strict, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
-                      ep=ep)
-    table = build_table(model, plan)
-    full = None
-    if load_state_dict_from_rank0 and dist.get_rank() == 0:
-        full = dict(model.state_dict())  # the real tensors, released one by one while sent
-    apply_plan(model, plan, be)
-    from .loss_patch import install_local_loss, install_loss_parallel
+    tp_mesh = tp_mesh_of(model, tp, mesh)
+    be = make_backend(backend, tp_mesh)
+    plan = _resolve_plan(model, tp, plan, loss_parallel=loss_parallel, rules=rules, overrides=overrides,
+                         strict=strict, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+                         ep=ep)
+    return tensor_parallel(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=be,
+                               rank0_weights=load_state_dict_from_rank0))
 
-    (install_loss_parallel if loss_parallel else install_local_loss)(model, plan, be)
-    if plan.sequence:
-        from .backends.sequence_parallel import install_sequence_parallel
 
-        install_sequence_parallel(model, plan.sequence, be)
-    model.tpcompile_mesh = tp_mesh
-    model.tpcompile_table = table
-    if load_state_dict_from_rank0:
-        from .checkpoint.pretrained import scatter_from_rank0
+def _resolve_plan(model: nn.Module, tp: int, plan: Plan | None, *, loss_parallel: bool, sequence_parallel: bool,
+                  ep: int, **planning: Any) -> Plan:
+    """The plan to apply: ``plan`` checked against the model, or a new one."""
+    if plan is None:
+        return plan_model(model, tp, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel, ep=ep,
+                          **planning)
+    given = [k for k, v in planning.items() if v is not None and v is not True]  # strict defaults to True
+    if given:
+        raise TPError(f"plan= applies a finished plan: {', '.join(sorted(given))} only matter while planning; "
+                      "pass them to plan_model instead")
+    if loss_parallel and not plan.loss_parallel:
+        raise TPError("loss_parallel=True but the plan was made with loss_parallel=False: re-plan with "
+                      "plan_model(..., loss_parallel=True)")
+    if sequence_parallel and not plan.sequence and tp > 1:
+        raise TPError("sequence_parallel=True but the plan has no sequence plan: re-plan with "
+                      "plan_model(..., sequence_parallel=True)")
+    if ep != 1 and ep != plan.ep:
+        raise TPError(f"ep={ep} but the plan was made for ep={plan.ep}: re-plan with plan_model(..., ep={ep})")
+    check_plan(plan, model, tp)
+    return plan
 
-        scatter_from_rank0(model, table, full)
-    from .integrations import mark_model
 
-    mark_model(model)  # what the HF Trainer / accelerate read to leave its parallelism alone
+def parallelize(
+    model: nn.Module,
+    *,
+    tp: int = 1,
+    dp_shard: int = -1,
+    dp_replicate: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    sharding_strategy: str = "FULL_SHARD",
+    mixed_precision: Any = None,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    activation_offloading: bool = False,
+    loading_horizon: int = 2,
+    seed: int | None = None,
+    config: Any = None,
+    load_from: str | os.PathLike | None = None,
+    plan: Plan | None = None,
+) -> nn.Module:
+    """Tensor-parallel + FSDP2 (+ activation checkpointing/offloading) in one call, in place.
+
+    Args:
+        model: a Hugging Face (or any token-in) model, materialized or on the meta device.
+        tp: tensor-parallel degree (1: FSDP2 only).
+        dp_shard: FSDP2 sharding degree; ``-1`` = the rest of the world.
+        dp_replicate: replicas (HSDP) across which each shard group is copied.
+        ep: expert-parallel degree for MoE models: each rank holds ``1/ep`` of the
+            experts, tokens are routed to them with all-to-all. Carved from the
+            ``dp_shard`` ranks (``dp_shard = efsdp x ep``); see
+            :mod:`tpcompile.runtime.experts`.
+        sequence_parallel: between tensor-parallel regions each rank keeps only its
+            slice of the tokens (:mod:`tpcompile.plan.sequence`); needs ``tp > 1``.
+        sharding_strategy: ``FULL_SHARD`` (reshard after forward), ``SHARD_GRAD_OP`` (keep
+            params gathered until backward), ``NO_SHARD`` (pure replication),
+            ``HYBRID_SHARD`` / ``HYBRID_SHARD_ZERO2`` (shard within ``dp_shard``,
+            replicate across ``dp_replicate``); names, accelerate's ints 1-5 or the enum.
+        mixed_precision: ``None``, ``"bf16"`` / ``"fp16"``, a torch dtype (params in that
+            dtype, gradients reduced in fp32) or a ``MixedPrecisionPolicy``.
+        cpu_offload: keep sharded params, grads and optimizer state in host memory.
+        activation_checkpointing: recompute each block in backward.
+        activation_offloading: keep what each block saves for backward in host memory,
+            loading ``loading_horizon`` blocks ahead in backward.
+        seed: seeds delayed init of a meta model, then this process's RNG with
+            ``seed + dp rank`` (equal within a TP group, so dropout on replicated
+            activations agrees; different across data-parallel ranks).
+        config: an SMP v2 or accelerate config (dict, JSON string, .json/.yaml path) or a
+            dict of these keywords. A keyword left at its default defers to the config;
+            one set to a different value than the config raises.
+        load_from: a Hugging Face checkpoint directory (safetensors, as ``save_pretrained``
+            writes it) to load instead of initializing: build the model on the meta device
+            (``from_config`` of the checkpoint's config) and every rank reads only the rows
+            of its own shards after sharding; no rank ever holds the model and no random
+            init runs. It supersedes rank-0 loading (``fsdp_cpu_ram_efficient_loading`` /
+            ``fsdp_sync_module_states``): every rank reads the files itself. A materialized
+            model is overwritten in place. A *training* checkpoint
+            (``tpcompile.checkpoint.save``, kind sharded/local) is not an HF directory:
+            parallelize first (``seed=`` initializes a meta model, shards only), then
+            ``tpcompile.checkpoint.load(path, model, optimizer)``.
+        plan: apply this :class:`Plan` instead of planning (as in :func:`transform`);
+            made by ``plan_model`` at the same ``tp`` and ``ep``.
+
+    Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh) and
+    ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`);
+    with ``load_from``, ``model.tpcompile_load_stats`` holds this rank's
+    ``{"bytes_read", "tensors"}``. ``model.tpcompile_table`` (the HF translation table every
+    checkpoint function reads) exists at ``tp=1`` too.
+
+    Example:
+        >>> dist.init_process_group("gloo")                       # doctest: +SKIP
+        >>> with torch.device("meta"):
+        ...     model = AutoModelForCausalLM.from_config(cfg)
+        >>> model = tpcompile.parallelize(model, tp=2, seed=0)   # world 8: dp_shard=4
+        >>> model.tpcompile_mesh.shape, model.tpcompile_parallel.sharding_strategy.value
+        ((1, 4, 2), 'FULL_SHARD')
+        >>> with torch.device("meta"):                           # load, never initialize
+        ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        >>> model = tpcompile.parallelize(model, tp=2, load_from=path)
+    """
+    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, sequence_parallel=sequence_parallel,
+                 sharding_strategy=sharding_strategy,
+                 mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                 activation_checkpointing=activation_checkpointing,
+                 activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed)
+    defaults = {k: p.default for k, p in inspect.signature(parallelize).parameters.items()}
+    explicit = {k: v for k, v in given.items() if not _is_default(v, defaults[k])}
+    if not dist.is_available() or not dist.is_initialized():
+        raise TPError("tpcompile.parallelize needs an initialized process group: launch with torchrun "
+                      "and call torch.distributed.init_process_group() first")
+    if hasattr(model, "tpcompile_parallel") or hasattr(model, "tpcompile_plan"):
+        raise TPError("this model is already parallelized or transformed; pass the original model "
+                      "(parallelize applies tensor parallelism itself)")
+    cfg = resolve_config(config, world_size=dist.get_world_size(), **explicit)
+    if load_from is not None:
+        check_checkpoint_dir(load_from)  # collective: fail on every rank before any work
+        # every rank reads its own rows: a rank-0 broadcast would only add a full copy
+        cfg = replace(cfg, load_from_rank0=False)
+    device = device_type(model)
+    dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep)
+    mesh = dims.build(device)
+    # record what delayed init / rank-0 / checkpoint loading needs before any module is
+    # rewritten
+    pending: Materializer | CheckpointLoader | None = (
+        Materializer.prepare(model, cfg) if load_from is None
+        else CheckpointLoader.prepare(model, load_from))
+    # the analysis also names the transformer blocks (the FSDP and checkpoint units)
+    plan = _resolve_plan(model, cfg.tp, plan, loss_parallel=False, sequence_parallel=cfg.sequence_parallel,
+                         ep=cfg.ep) if plan is not None else plan_model(
+        model, cfg.tp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)
+    _check_wrap_classes(model, list(plan.blocks), cfg.wrap_classes)
+    tp_mesh = mesh["tp"] if cfg.tp > 1 else None
+    backend = make_backend("auto", tp_mesh) if tp_mesh is not None else None
+    return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
+                       device=device, pending=pending))
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is None or default is None:
+        return value is default
+    return type(value) is type(default) and value == default
+
+
+def _check_wrap_classes(model: nn.Module, blocks: list[str], wanted: tuple[str, ...]) -> None:
+    """accelerate's ``fsdp_transformer_layer_cls_to_wrap`` must name the blocks found."""
+    if not wanted:
+        return
+    found = sorted({type(model.get_submodule(b)).__name__ for b in blocks})
+    if sorted(wanted) != found:
+        raise TPError(f"fsdp_transformer_layer_cls_to_wrap={list(wanted)} but the blocks tpcompile found "
+                      f"(its FSDP units) are of class {found}; set it to {','.join(found)} or drop it")
+
+
+def from_pretrained(path: str | os.PathLike, tp: int, *, model_class: type | None = None,
+                    transform_kwargs: dict[str, Any] | None = None, **hf_kwargs: Any) -> nn.Module:
+    """Load an HF checkpoint directory straight into a tensor-parallel model.
+
+    Every rank builds the model with parameters on the meta device, transforms it and
+    reads only its own slices of each tensor: peak memory per rank is its shard plus
+    one slice, never the model.
+
+    Args:
+        path: a local directory with ``config.json`` and safetensors weights.
+        tp: tensor-parallel degree.
+        model_class: default: ``config.architectures[0]`` from ``transformers``.
+        transform_kwargs: passed to :func:`tpcompile.transform` (``mesh``,
+            ``loss_parallel``, ``overrides``, ...).
+        hf_kwargs: passed to ``AutoConfig.from_pretrained`` / ``from_config``
+            (``dtype``, ``attn_implementation``, ...).
+
+    Example:
+        >>> dist.init_process_group("gloo")                              # doctest: +SKIP
+        >>> model = tpcompile.from_pretrained("Llama-3-8B/", tp=2, dtype=torch.bfloat16)
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+
+    dtype = hf_kwargs.pop("dtype", None) or hf_kwargs.pop("torch_dtype", None)
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()
+                                                 if k not in ("attn_implementation",)})
+    cls = model_class or default_model_class(config)
+    build_kwargs: dict[str, Any] = {}
+    if "attn_implementation" in hf_kwargs:
+        build_kwargs["attn_implementation"] = hf_kwargs["attn_implementation"]
+    if dtype is not None and dtype != "auto":
+        build_kwargs["dtype"] = dtype
+    elif dtype == "auto" and getattr(config, "dtype", None) is not None:
+        build_kwargs["dtype"] = config.dtype
+    with torch.device("meta"):  # no weight memory, no init time
+        model = cls._from_config(config, **build_kwargs) if hasattr(cls, "_from_config") \
+            else cls.from_config(config, **build_kwargs)
+    transform(model, tp, **(transform_kwargs or {}))
+    model.tpcompile_load_stats = load_hf_weights(model, path)
+    materialize_buffers(model)
+    if os.path.exists(os.path.join(path, "generation_config.json")) and hasattr(model, "generation_config"):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()  # as transformers' from_pretrained returns it
     return model
-

@@ -30,7 +30,7 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["Local", "apply_fixups", "find_fixups", "quiet_traces", "verify_fixups"]
+__all__ = ["Local", "apply_fixups", "find_fixups", "localize_embedding", "quiet_traces", "verify_fixups"]
 
 aten = torch.ops.aten
 _CONV = (aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution, aten._convolution)
@@ -266,3 +266,13 @@ def verify_fixups(
             for name in names:
                 kept.setdefault(name, {})[attr] = [glob, local]
     return kept
+
+
+def localize_embedding(module: nn.Module, vocab_range: tuple[int, int], local_rows: int) -> None:
+    """``nn.Embedding``'s own bookkeeping: local row count and padding index."""
+    start, end = vocab_range
+    if hasattr(module, "num_embeddings"):
+        module.num_embeddings = local_rows
+    pad = getattr(module, "padding_idx", None)
+    if isinstance(pad, int):
+        module.padding_idx = pad - start if start <= pad < end else None

@@ -8,6 +8,7 @@ propagated again, until nothing changes.  Then every parameter gets its role.
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -15,12 +16,18 @@ import numpy as np
 import torch.fx as fx
 
 from ..errors import TPError
-from ..plan import key_matches
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
 from .state import ParamRef
 
 __all__ = ["Analyzed", "analyze"]
+
+
+def key_matches(key: str, fqn: str) -> bool:
+    """Does an override key (a parameter FQN, or ``"re:<regex>"``) select ``fqn``?"""
+    if key.startswith("re:"):
+        return re.fullmatch(key[3:], fqn) is not None
+    return key == fqn
 
 
 @dataclass

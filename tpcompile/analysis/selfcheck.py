@@ -35,8 +35,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import TPError
-from ..rewrite import localize_embedding
-from .fixups import Local, apply_fixups, quiet_traces
+from .fixups import Local, apply_fixups, localize_embedding, quiet_traces
 from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat

@@ -29,11 +29,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from ..translate import TensorMap, TranslationTable
+from ..plan.table import TensorMap, TranslationTable
+from ..runtime.shards import (
+    TPContext,
+    assign_tp_local,
+    lookup,
+    storage,
+    tp_context,
+    tp_local,
+    world,
+)
 from .atomic import PARTIAL_RE, distributed_atomic_dir
 from .parallel_write import Item, is_writer, write_files
 from .safetensors_io import SliceReader
-from .shards import TPContext, assign_tp_local, lookup, storage, tp_context, tp_local, world
 
 __all__ = [
     "FULL_FORMAT", "file_names", "hf_state_dict", "iter_hf_tensors", "load_hf_weights", "nbytes",
@@ -51,7 +59,7 @@ def table_of(model: nn.Module, *, plain_ok: bool = False) -> TranslationTable:
     table (so training checkpoints load into a plain single-process model too)."""
     table = getattr(model, "tpcompile_table", None)
     if table is None and plain_ok:
-        from ..translate import build_table
+        from ..plan.table import build_table
 
         return build_table(model, None)
     if table is None:

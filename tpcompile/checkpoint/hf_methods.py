@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from .shards import world
+from ..runtime.shards import world
 
 __all__ = ["bind_save_pretrained"]
 

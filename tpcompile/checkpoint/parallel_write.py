@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from ..translate import TensorMap
+from ..plan.table import TensorMap
+from ..runtime.shards import TPContext, tp_local, world
 from .safetensors_io import file_layout
-from .shards import TPContext, tp_local, world
 
 __all__ = ["Item", "is_writer", "write_files"]
 

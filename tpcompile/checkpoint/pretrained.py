@@ -3,6 +3,11 @@
 * :func:`from_pretrained` — the front door: config → model on the meta device →
   ``transform`` → each rank reads its own rows → buffers no checkpoint stores (rotary
   tables) computed by the model's own init;
+* :class:`CheckpointLoader` — ``parallelize(load_from=...)``: the model is built on the
+  meta device, sharded, ``to_empty`` allocates only this rank's shards, and
+  :func:`~tpcompile.checkpoint.hf.load_hf_weights` fills them: each rank reads
+  (``pread``) only the rows of its TP shard and keeps its FSDP piece of them, one tensor
+  at a time.  Buffers no checkpoint stores are recomputed by the model's own init.
 * :func:`scatter_from_rank0` — SageMaker's ``load_state_dict_from_rank0`` mode: rank 0
   built the model with real weights, the other ranks on meta; rank 0 sends every rank
   its shards, tensor by tensor.
@@ -10,7 +15,10 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,10 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from ..translate import TranslationTable
-from .shards import assign_tp_local, lookup, tp_context, world
+from ..plan.table import TranslationTable
+from ..runtime.materialize import TensorRecord, records
+from ..runtime.shards import assign_tp_local, lookup, tp_context, world
 
-__all__ = ["from_pretrained", "materialize_buffers", "scatter_from_rank0"]
+__all__ = ["CheckpointLoader", "check_checkpoint_dir", "materialize_buffers", "model_class", "scatter_from_rank0"]
 
 
 def materialize_buffers(model: nn.Module, device: str | torch.device = "cpu") -> list[str]:
@@ -53,7 +62,7 @@ def materialize_buffers(model: nn.Module, device: str | torch.device = "cpu") ->
     return sorted(owners)
 
 
-def _model_class(config: Any) -> type:
+def model_class(config: Any) -> type:
     import transformers
 
     for name in getattr(config, "architectures", None) or []:
@@ -61,55 +70,6 @@ def _model_class(config: Any) -> type:
         if cls is not None:
             return cls
     return transformers.AutoModelForCausalLM
-
-
-def from_pretrained(path: str | os.PathLike, tp: int, *, model_class: type | None = None,
-                    transform_kwargs: dict[str, Any] | None = None, **hf_kwargs: Any) -> nn.Module:
-    """Load an HF checkpoint directory straight into a tensor-parallel model.
-
-    Every rank builds the model with parameters on the meta device, transforms it and
-    reads only its own slices of each tensor: peak memory per rank is its shard plus
-    one slice, never the model.
-
-    Args:
-        path: a local directory with ``config.json`` and safetensors weights.
-        tp: tensor-parallel degree.
-        model_class: default: ``config.architectures[0]`` from ``transformers``.
-        transform_kwargs: passed to :func:`tpcompile.transform` (``mesh``,
-            ``loss_parallel``, ``overrides``, ...).
-        hf_kwargs: passed to ``AutoConfig.from_pretrained`` / ``from_config``
-            (``dtype``, ``attn_implementation``, ...).
-
-    Example:
-        >>> dist.init_process_group("gloo")                              # doctest: +SKIP
-        >>> model = tpcompile.from_pretrained("Llama-3-8B/", tp=2, dtype=torch.bfloat16)
-    """
-    from transformers import AutoConfig, GenerationConfig
-
-    from ..api import transform
-    from .hf import load_hf_weights
-
-    dtype = hf_kwargs.pop("dtype", None) or hf_kwargs.pop("torch_dtype", None)
-    config = AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()
-                                                 if k not in ("attn_implementation",)})
-    cls = model_class or _model_class(config)
-    build_kwargs: dict[str, Any] = {}
-    if "attn_implementation" in hf_kwargs:
-        build_kwargs["attn_implementation"] = hf_kwargs["attn_implementation"]
-    if dtype is not None and dtype != "auto":
-        build_kwargs["dtype"] = dtype
-    elif dtype == "auto" and getattr(config, "dtype", None) is not None:
-        build_kwargs["dtype"] = config.dtype
-    with torch.device("meta"):  # no weight memory, no init time
-        model = cls._from_config(config, **build_kwargs) if hasattr(cls, "_from_config") \
-            else cls.from_config(config, **build_kwargs)
-    transform(model, tp, **(transform_kwargs or {}))
-    model.tpcompile_load_stats = load_hf_weights(model, path)
-    materialize_buffers(model)
-    if os.path.exists(os.path.join(path, "generation_config.json")) and hasattr(model, "generation_config"):
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    model.eval()  # as transformers' from_pretrained returns it
-    return model
 
 
 def scatter_from_rank0(model: nn.Module, table: TranslationTable,
@@ -150,3 +110,76 @@ def scatter_from_rank0(model: nn.Module, table: TranslationTable,
         dist.broadcast(tmp, src=0)
         owner, attr, _ = lookup(model, name)
         owner._buffers[attr] = tmp
+
+
+def _checkpoint_dir_error(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as an HF checkpoint on this rank (``None``: it can)."""
+    from . import hf
+
+    meta = Path(path) / hf.META_NAME
+    if meta.exists():
+        try:
+            fmt = json.loads(meta.read_text()).get("format")
+        except ValueError:
+            fmt = None
+        if fmt in ("tpcompile-sharded", "tpcompile-local"):  # training.SHARDED/LOCAL_FORMAT
+            return (f"{path} is a tpcompile training checkpoint ({fmt}), not an HF directory: "
+                    "parallelize the model first (seed= initializes a meta model, shards only), "
+                    "then tpcompile.checkpoint.load(path, model, optimizer); or export it with "
+                    "`python -m tpcompile translate` and pass that directory as load_from")
+    try:
+        hf.checkpoint_files(path)  # every file's header and size: truncated files fail here
+    except (TPError, OSError) as err:
+        return str(err)
+    return None
+
+
+def check_checkpoint_dir(path: str | os.PathLike) -> None:
+    """Raise on every rank if any rank cannot read ``path`` (a rank raising alone would
+    leave the others waiting in the next collective)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, _checkpoint_dir_error(path))
+    bad = [r for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise TPError(f"load_from: cannot read the checkpoint on ranks {bad}: {errors[bad[0]]}")
+
+
+class CheckpointLoader:
+    """Fills a sharded model from an HF checkpoint directory after ``fully_shard``.
+
+    Parameters and the buffers the checkpoint stores are read shard-on-read; the other
+    buffers keep their real values (``to_empty`` wipes them, so they are recorded here
+    first) or, if built on meta, are recomputed by the model's own init.
+    """
+
+    def __init__(self, path: str | os.PathLike, buffers: list[TensorRecord]) -> None:
+        self.path, self.buffers = path, buffers
+
+    @classmethod
+    def prepare(cls, model: nn.Module, path: str | os.PathLike) -> CheckpointLoader:
+        kept = records(model, lambda t, is_param: not is_param)  # keep real buffers only
+        return cls(path, [r for r in kept if not r.is_param])
+
+    def run(self, model: nn.Module, device: str) -> dict[str, Any]:
+        """Load; returns this rank's ``{"bytes_read", "tensors"}``."""
+        from .hf import checkpoint_files, load_hf_weights
+
+        wiped = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+        if wiped:
+            model.to_empty(device=device)  # allocates this rank's FSDP shards only
+        stats = load_hf_weights(model, self.path)
+        if not wiped:
+            return stats  # a materialized model: loaded in place, its buffers untouched
+        stored = set(checkpoint_files(self.path))
+        for rec in self.buffers:
+            if rec.fqn in stored:
+                continue  # read from the checkpoint, as transformers does
+            # real before to_empty: that value; built on meta: back to meta, so that
+            # materialize_buffers recomputes it (to_empty left uninitialized memory)
+            value = rec.value.to(device) if rec.value is not None else \
+                torch.empty(rec.shape, dtype=rec.dtype, device="meta")
+            for name in [rec.fqn, *rec.aliases]:
+                owner, attr, _ = lookup(model, name)
+                owner._buffers[attr] = value
+        materialize_buffers(model, device)
+        return stats

@@ -34,11 +34,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
-from ..translate import TensorMap, TranslationTable
+from ..plan.table import TensorMap, TranslationTable
+from ..runtime.shards import (
+    assign_tp_local,
+    lookup,
+    shard_like,
+    storage,
+    tp_context,
+    tp_local,
+    world,
+)
 from . import hf
 from .atomic import distributed_atomic_dir
 from .safetensors_io import SliceReader, StreamWriter, read_header
-from .shards import assign_tp_local, lookup, shard_like, storage, tp_context, tp_local, world
 
 __all__ = ["KINDS", "SaveHandle", "latest", "load", "save"]
 
@@ -259,7 +267,7 @@ class _Meshes:
         return self.root[dims if len(dims) > 1 else dims[0]]
 
     def tp(self) -> Any:
-        from .shards import TPContext
+        from ..runtime.shards import TPContext
 
         if self.root is None or "tp" not in (self.root.mesh_dim_names or ()):
             return TPContext(None)

@@ -16,18 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig, resolve_config
 from ..errors import TPError
+from ..runtime.mesh import ParallelDims
 
 __all__ = ["Ranker", "State", "init", "state", "transform"]
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # the same order as tpcompile.parallelize
 SAGEMAKER_ENV = "SM_HP_MP_PARAMETERS"  # where the SageMaker SDK passes SMP's parameters
 DEFAULT_SEED = 12345  # SMP v2's documented default random_seed
-_HF_STATE_DICT_HOOKS = "tpcompile.state_dict"  # the module whose hooks make state_dict() HF-shaped
+_HF_STATE_DICT_HOOKS = "tpcompile.runtime.state_dict"  # the module whose hooks make state_dict() HF-shaped
 
 
 class Ranker:
@@ -183,7 +183,7 @@ def init(config: Any = None) -> State:
                           f"{state.cfg.mesh_shape}; call init once per process")
         return state
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, cfg.mesh_shape, mesh_dim_names=MESH_DIMS)
+    mesh = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep).build(device)
     groups = Ranker(mesh).get_dp_groups()
     mine, _ = dist.new_subgroups_by_enumeration(groups)  # every rank creates every group
     torch.manual_seed(DEFAULT_SEED if cfg.seed is None else cfg.seed)
@@ -211,7 +211,7 @@ def transform(model: nn.Module, *, device: torch.device | str | None = None, dty
         >>> model = tsm.transform(model, load_state_dict_from_rank0=True)  # doctest: +SKIP
     """
     from ..api import transform as tp_transform
-    from ..fsdp import _meta_tree, _records
+    from ..runtime.materialize import meta_tree, records
 
     mesh = state._need()
     if config is not None and resolve_config(config, world_size=dist.get_world_size()) != state.cfg:
@@ -224,7 +224,7 @@ def transform(model: nn.Module, *, device: torch.device | str | None = None, dty
         model.to(dtype)
     if any(p.is_meta for p in model.parameters()) and not load_state_dict_from_rank0:
         # delayed init needs the untransformed tree (names, HF shapes, init code)
-        model._tpcompile_smp_delayed = (_records(model, lambda t, is_param: not is_param), _meta_tree(model))
+        model._tpcompile_smp_delayed = (records(model, lambda t, is_param: not is_param), meta_tree(model))
     tp_transform(model, mesh["tp"].size(), mesh=mesh["tp"], load_state_dict_from_rank0=load_state_dict_from_rank0)
     localize(model)
     if device is not None:

@@ -36,7 +36,7 @@ class DelayedParamIniter:
     def __init__(self, model: nn.Module, init_method_using_config: Callable | None = None,
                  verbose: bool = False) -> None:
         from ..config import ParallelConfig
-        from ..fsdp import _Materializer, _meta_tree, _records
+        from ..runtime.materialize import Materializer, meta_tree, records
 
         if init_method_using_config is not None:
             raise TPError("init_method_using_config is not supported: tpcompile runs the model's own "
@@ -44,13 +44,13 @@ class DelayedParamIniter:
         self.model, self.verbose = model, verbose
         saved = getattr(model, "_tpcompile_smp_delayed", None)
         records, tree = saved if saved is not None else (
-            _records(model, lambda t, is_param: not is_param), _meta_tree(model))
+            records(model, lambda t, is_param: not is_param), meta_tree(model))
         self.records = {r.fqn: r for r in records}
         for r in records:
             for alias in r.aliases:
                 self.records[alias] = r
         seed = state.cfg.seed if state.cfg is not None and state.cfg.seed is not None else DEFAULT_SEED
-        self._materializer = _Materializer(records, tree, ParallelConfig(seed=seed))
+        self._materializer = Materializer(records, tree, ParallelConfig(seed=seed))
         self.seed = seed
         # module object -> its name, taken now: FSDP1 renames the path when it wraps blocks
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}

@@ -70,7 +70,7 @@ def _layout(model: nn.Module) -> dict[str, Any]:
 
 def local_state_dict(model: nn.Module) -> LocalStateDict:
     """This rank's tensors of ``model`` (aliases of the live storage), no collectives."""
-    from ....checkpoint.shards import storage
+    from ....runtime.shards import storage
 
     out = LocalStateDict()
     units = [m for m in FSDP.fsdp_modules(model) if m._handle is not None]

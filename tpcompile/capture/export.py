@@ -1,0 +1,212 @@
+"""Capture: turn a Hugging Face ``nn.Module`` into an ATen-level ``torch.fx`` graph.
+
+The graph comes from ``torch.export.export(..., strict=False)``: it works on modern HF
+attention code (``torch.fx.symbolic_trace`` does not) and every node carries
+``nn_module_stack`` so each op maps back to the module that ran it.  Parameters become
+placeholders whose names map to their fully-qualified names (FQNs).
+
+Two things keep capture cheap:
+
+* weights are never copied: export fakifies the parameters it sees, and a model built on
+  the meta device is exported as-is;
+* repeated blocks are analysed once.  A ``ModuleList`` of structurally identical blocks
+  (same classes, same parameter shapes) is temporarily cut down to the shortest prefix
+  that still holds one block of every distinct structure, so a 126-layer model is traced
+  as if it had one or two layers.  :class:`LayerStacks` maps the analysed block back to
+  every block of the same structure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Capture", "LayerStacks", "capture", "layer_stacks", "structural_signature"]
+
+# Example sizes that cannot be mistaken for model sizes in the traced graph's shape
+# constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
+_EXAMPLE_BATCH = 1
+_EXAMPLE_SEQ = 7
+
+
+def structural_signature(module: nn.Module) -> tuple:
+    """Identity of a block's structure: classes and parameter shapes, not names' meaning."""
+    parts: list[tuple] = []
+    for name, sub in module.named_modules():
+        params = tuple(
+            (pname, tuple(p.shape), str(p.dtype)) for pname, p in sub.named_parameters(recurse=False)
+        )
+        parts.append((name, type(sub).__qualname__, params))
+    return tuple(parts)
+
+
+@dataclass
+class LayerStacks:
+    """Repeated-block stacks found in the model and how the traced prefix maps to them.
+
+    ``members[stack_fqn]`` lists, for every block index ``i``, the index of the traced
+    representative whose structure block ``i`` shares.
+    """
+
+    members: dict[str, list[int]] = field(default_factory=dict)
+    traced_len: dict[str, int] = field(default_factory=dict)
+
+    def expand(self, fqn: str) -> list[str]:
+        """All FQNs of the full model that ``fqn`` (from the traced prefix) stands for."""
+        for stack, reps in self.members.items():
+            prefix = stack + "."
+            if fqn.startswith(prefix):
+                idx_str, _, rest = fqn[len(prefix):].partition(".")
+                if not idx_str.isdigit():
+                    continue
+                rep = int(idx_str)
+                tail = "." + rest if rest else ""
+                return [f"{prefix}{i}{tail}" for i, r in enumerate(reps) if r == rep]
+        return [fqn]
+
+    def representative(self, fqn: str) -> str:
+        """The traced FQN standing for ``fqn`` of the full model."""
+        for stack, reps in self.members.items():
+            prefix = stack + "."
+            if fqn.startswith(prefix):
+                idx_str, _, rest = fqn[len(prefix):].partition(".")
+                if idx_str.isdigit():
+                    tail = "." + rest if rest else ""
+                    return f"{prefix}{reps[int(idx_str)]}{tail}"
+        return fqn
+
+
+@dataclass
+class Capture:
+    """The traced graph plus the maps the analysis needs."""
+
+    graph: torch.fx.Graph
+    param_of_placeholder: dict[str, str]  # placeholder node name -> parameter FQN
+    buffer_of_placeholder: dict[str, str]
+    user_inputs: list[str]
+    stacks: LayerStacks
+    seconds: float
+    # module FQN -> its call signature (graph nodes of its inputs and outputs, and how
+    # they map to the forward's arguments), for the modules capture was asked to keep
+    signatures: dict[str, Any] = field(default_factory=dict)
+
+
+def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]:
+    """Each ``ModuleList`` that repeats a block structure, with the index of the first
+    block of each member's structure."""
+    stacks: dict[str, tuple[nn.ModuleList, list[int]]] = {}
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        first: dict[tuple, int] = {}
+        reps = [first.setdefault(structural_signature(block), i) for i, block in enumerate(mod)]
+        if len(first) < len(mod):
+            stacks[fqn] = (mod, reps)
+    return stacks
+
+
+@contextlib.contextmanager
+def _truncated(model: nn.Module, stacks: dict[str, tuple[nn.ModuleList, list[int]]]) -> Iterator[None]:
+    """Temporarily cut each stack to the prefix holding one block of every structure."""
+    saved: list[tuple[nn.ModuleList, dict]] = []
+    try:
+        for mod, reps in stacks.values():
+            keep = max(reps) + 1
+            saved.append((mod, dict(mod._modules)))
+            mod._modules = {k: v for k, v in list(mod._modules.items())[:keep]}
+        yield
+    finally:
+        for mod, modules in saved:
+            mod._modules = modules
+
+
+def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    from .inputs import example_inputs
+
+    return (), example_inputs(model, batch=_EXAMPLE_BATCH, seq=_EXAMPLE_SEQ)
+
+
+def _layer_stacks(stacks: dict[str, tuple[nn.ModuleList, list[int]]]) -> LayerStacks:
+    return LayerStacks(
+        members={fqn: reps for fqn, (_, reps) in stacks.items()},
+        traced_len={fqn: max(reps) + 1 for fqn, (_, reps) in stacks.items()},
+    )
+
+
+def layer_stacks(model: nn.Module) -> LayerStacks:
+    """The repeated-block stacks :func:`capture` would cut ``model`` to (no tracing)."""
+    return _layer_stacks(_find_stacks(model))
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict,
+            preserve: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
+    attempts: list[dict] = [dict(kwargs, use_cache=False), dict(kwargs)]
+    last: Exception | None = None
+    for kw in attempts:
+        try:
+            return torch.export.export(model, args, kwargs=kw, strict=False,
+                                       preserve_module_call_signature=preserve)
+        except TypeError as err:  # the model takes no ``use_cache`` keyword
+            last = err
+    assert last is not None
+    raise last
+
+
+def capture(
+    model: nn.Module,
+    *,
+    example_args: tuple | None = None,
+    example_kwargs: dict | None = None,
+    cut_stacks: bool = True,
+    preserve: tuple[str, ...] = (),
+) -> Capture:
+    """Trace ``model`` into an ATen FX graph without materializing weights.
+
+    Args:
+        model: any ``nn.Module`` whose forward takes token ids (HF models do); real,
+            meta or fake parameters.
+        example_args / example_kwargs: inputs to trace with; default: one batch built
+            from the model itself (:func:`tpcompile.capture.example_inputs`: ``input_ids``,
+            ``pixel_values``, ``input_features``, ``decoder_input_ids`` ...).
+        cut_stacks: analyse one block per distinct structure of each repeated stack.
+        preserve: module FQNs (of the cut model) whose call signatures to record.
+
+    Example:
+        >>> cap = capture(model)                                    # doctest: +SKIP
+        >>> cap.stacks.expand("model.layers.0.mlp.up_proj.weight")  # all 32 layers
+    """
+    start = time.perf_counter()
+    if example_args is None and not example_kwargs:
+        example_args, example_kwargs = _example_inputs(model)
+    example_args = example_args or ()
+    stacks = _find_stacks(model) if cut_stacks else {}
+    was_training = model.training
+    model.eval()  # dropout off: it would only add noise nodes to the graph
+    try:
+        with _truncated(model, stacks), torch.no_grad():
+            ep = _export(model, example_args, example_kwargs or {}, preserve)
+    except Exception as err:
+        raise RuntimeError(
+            f"tpcompile could not capture {type(model).__name__} with torch.export "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+            "Pass one batch the model accepts: transform(..., example_inputs=dict(...))."
+        ) from err
+    finally:
+        model.train(was_training)
+    sig = ep.graph_signature
+    layer_stacks = _layer_stacks(stacks)
+    return Capture(
+        graph=ep.graph,
+        param_of_placeholder=dict(sig.inputs_to_parameters),
+        buffer_of_placeholder=dict(sig.inputs_to_buffers),
+        user_inputs=list(sig.user_inputs),
+        stacks=layer_stacks,
+        seconds=time.perf_counter() - start,
+        signatures={e.fqn: e.signature for e in ep.module_call_graph if e.fqn in preserve},
+    )

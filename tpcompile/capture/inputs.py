@@ -1,0 +1,162 @@
+"""Example inputs read off the model itself: what its forward needs to run once.
+
+Capture, the dry-run self-check and ``verify`` all need one batch the model accepts.
+Text decoders take ``input_ids``; a ViT takes ``pixel_values``, Whisper
+``input_features``, wav2vec2 ``input_values``, T5 and BART also ``decoder_input_ids``.
+Nothing here knows a family by name: the main input comes from
+``model.main_input_name`` (every ``PreTrainedModel`` declares it), its shape from the
+config's sizes (image size and channels, mel bins and source positions, the vocabulary),
+and extra required arguments from the forward signature.  A model this cannot serve
+gets a :class:`TPError` asking for ``example_inputs=``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TPError
+
+__all__ = ["example_inputs"]
+
+
+def _config(model: nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def _find(config: Any, *names: str, sub: tuple[str, ...] = ()) -> Any:
+    """First of ``names`` set on ``config`` or on one of its sub-configs ``sub``."""
+    for holder in (config, *(getattr(config, s, None) for s in sub)):
+        if holder is None:
+            continue
+        for n in names:
+            v = getattr(holder, n, None)
+            if v is not None:
+                return v
+    return None
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    if isinstance(v, int):
+        return v, v
+    return int(v[0]), int(v[1])
+
+
+def _vocab(config: Any) -> int:
+    v = _find(config, "vocab_size", sub=("text_config", "decoder"))
+    return int(v) if isinstance(v, int) and v > 0 else 2
+
+
+def _token_ids(config: Any, batch: int, seq: int, device: Any, gen: torch.Generator | None) -> torch.Tensor:
+    if gen is None:  # capture: the values never matter, zeros keep it deterministic
+        return torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return torch.randint(0, _vocab(config), (batch, seq), generator=gen).to(device)
+
+
+def _floats(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator | None) -> torch.Tensor:
+    if gen is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype, device: Any,
+                gen: torch.Generator | None) -> torch.Tensor:
+    if name == "input_ids":
+        return _token_ids(config, batch, seq, device, gen)
+    if name == "pixel_values":
+        size = _find(config, "image_size", "img_size", sub=("vision_config",))
+        channels = _find(config, "num_channels", "in_channels", sub=("vision_config",)) or 3
+        if size is None:
+            raise TPError("the model takes pixel_values but its config has no image_size; pass example_inputs=")
+        h, w = _pair(size)
+        return _floats((batch, int(channels), h, w), dtype, device, gen)
+    if name == "input_features":
+        mels = _find(config, "num_mel_bins", sub=("audio_config", "encoder"))
+        positions = _find(config, "max_source_positions", sub=("audio_config", "encoder"))
+        if mels is not None and positions is not None:
+            # Whisper-style encoders check the frame count: two conv frames per position
+            return _floats((batch, int(mels), 2 * int(positions)), dtype, device, gen)
+        per_frame = _find(config, "input_feat_per_channel", "feature_size", "num_mel_bins")
+        channels = _find(config, "input_channels") or 1
+        if per_frame is None:
+            raise TPError("the model takes input_features but its config gives no feature size; pass example_inputs=")
+        return _floats((batch, 4 * seq, int(per_frame) * int(channels)), dtype, device, gen)
+    if name == "input_values":
+        # raw audio: long enough for a strided conv feature encoder to leave a few frames
+        kernels = _find(config, "conv_kernel") or [10]
+        strides = _find(config, "conv_stride") or [5]
+        length = 1
+        for k, s in reversed(list(zip(kernels, strides, strict=False))):
+            length = (length - 1) * int(s) + int(k)
+        frames = max(seq, 2)
+        return _floats((batch, length + (frames - 1) * _prod(strides)), dtype, device, gen)
+    raise TPError(
+        f"tpcompile cannot build a {name!r} input for {type(config).__name__}; pass "
+        "example_inputs=dict(...) with one batch the model's forward accepts"
+    )
+
+
+def _prod(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
+def _param_dtype(model: nn.Module) -> tuple[torch.dtype, Any]:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype, p.device
+    return torch.float32, torch.device("cpu")
+
+
+def example_inputs(
+    model: nn.Module,
+    *,
+    batch: int = 1,
+    seq: int = 7,
+    generator: torch.Generator | None = None,
+    labels: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Keyword inputs for one forward of ``model``, built from the model itself.
+
+    Args:
+        model: a Hugging Face model (anything with ``main_input_name`` and a ``config``),
+            or a plain module whose forward takes token ids first.
+        batch / seq: batch size and token count (image and audio inputs take their
+            length from the config).
+        generator: draw real random values (token ids in the vocabulary, normal
+            floats); ``None`` gives zeros, enough for tracing.
+        labels: also build ``labels`` for a loss (token labels shaped like the
+            decoder's or the main input's ids) where the forward takes them.
+
+    Example:
+        >>> example_inputs(ViTModel(ViTConfig(image_size=32)))["pixel_values"].shape
+        torch.Size([1, 3, 32, 32])
+    """
+    config = _config(model)
+    dtype, device = _param_dtype(model)
+    name = getattr(model, "main_input_name", "input_ids")
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if config is None:
+        if name != "input_ids":
+            raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
+        return {next(iter(params), "input_ids"): _token_ids(config, batch, seq, device, generator)}
+    out = {name: _main_input(name, config, batch, seq, dtype, device, generator)}
+    if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
+        start = getattr(config, "decoder_start_token_id", None)
+        ids = _token_ids(config, batch, seq, device, generator)
+        if start is not None:
+            ids[:, 0] = int(start) % _vocab(config)
+        out["decoder_input_ids"] = ids
+    if labels and "labels" in params:
+        ref = out.get("decoder_input_ids", out.get("input_ids"))
+        if ref is not None:
+            out["labels"] = _token_ids(config, batch, ref.shape[1], device, generator)
+    return out

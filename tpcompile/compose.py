@@ -1,0 +1,178 @@
+"""The composer: every parallelism applied to the model from outside, in one fixed order.
+
+Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps 1-3
+(that is ``transform``) and :func:`compose` runs them all (that is ``parallelize``)::
+
+    1. tp           shard parameters as DTensors, hook the collectives, HF state dicts
+    2. loss         the model's loss reads this rank's vocab shard (or loss-parallel)
+    3. sp           sequence parallelism: split / gather the residual stream per block
+    4. cp           (context parallelism: not built yet)
+    5. ep           keep this rank's experts, all-to-all dispatch around their forward
+    6. activations  checkpoint / offload per block (inside FSDP, outside TP)
+    7. fsdp         FSDP2 units: each block, then the root
+    8. materialise  a meta model's shards: init / rank 0's weights / an HF checkpoint
+    9. mark         the attributes the HF Trainer and accelerate read
+
+The order is torchtitan's: TP's hooks end up innermost and FSDP2's outermost, and every
+step after 1 reads only the plan and the meshes of :class:`~tpcompile.runtime.mesh.ParallelDims`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .checkpoint.hf_methods import bind_save_pretrained
+from .checkpoint.pretrained import CheckpointLoader, scatter_from_rank0
+from .config import ParallelConfig
+from .errors import TPError
+from .plan import Plan, build_table
+from .runtime import activations
+from .runtime.apply import apply_plan
+from .runtime.experts import shard_experts
+from .runtime.fsdp import fully_shard_model
+from .runtime.loss import install_local_loss, install_loss_parallel
+from .runtime.markers import mark_model
+from .runtime.materialize import Materializer
+from .runtime.mesh import ParallelDims, data_parallel_rank
+from .runtime.sequence import install_sequence_parallel
+
+__all__ = ["Job", "compose", "tensor_parallel"]
+
+
+@dataclass(kw_only=True)
+class Job:
+    """What the steps share: the model, its plan, the meshes and the runtime pieces."""
+
+    model: nn.Module
+    plan: Plan
+    tp_mesh: DeviceMesh | None  # None: tp == 1, nothing is split
+    backend: Any = None
+    mesh: DeviceMesh | None = None  # parallelize's (dp_replicate, dp_shard, tp) mesh
+    cfg: ParallelConfig | None = None
+    device: str = "cpu"
+    rank0_weights: bool = False  # transform(load_state_dict_from_rank0=True)
+    pending: Materializer | CheckpointLoader | None = None
+    experts: list[nn.Module] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def apply_tp(job: Job) -> None:
+    """1. Shard every parameter per the plan and install the backend's hooks."""
+    model, plan = job.model, job.plan
+    # the translation table is taken while names and shapes are still the HF ones
+    table = build_table(model, plan if job.tp_mesh is not None else None)
+    if job.tp_mesh is not None:
+        full = None
+        if job.rank0_weights and dist.get_rank() == 0:
+            full = dict(model.state_dict())  # the real tensors, released one by one while sent
+        apply_plan(model, plan, job.backend)
+        model.tpcompile_mesh = job.tp_mesh
+        model.tpcompile_table = table
+        if job.rank0_weights:
+            scatter_from_rank0(model, table, full)
+    model.tpcompile_plan = plan
+    model.tpcompile_table = table
+    bind_save_pretrained(model)  # transformers' own would gather the model onto one rank
+
+
+def apply_loss(job: Job) -> None:
+    """2. The model's own loss computed from this rank's vocab shard."""
+    if job.tp_mesh is None:
+        return
+    (install_loss_parallel if job.plan.loss_parallel else install_local_loss)(job.model, job.plan, job.backend)
+
+
+def apply_sp(job: Job) -> None:
+    """3. Sequence parallelism between the tensor-parallel regions."""
+    if job.tp_mesh is not None and job.plan.sequence:
+        install_sequence_parallel(job.model, job.plan.sequence, job.backend)
+
+
+def apply_ep(job: Job) -> None:
+    """5. Expert parallelism on the 4-D mesh ``(dp_replicate, efsdp, ep, tp)``: this
+    rank's experts, all-to-all dispatch around the experts' forward (inside TP's hooks)."""
+    cfg, model = job.cfg, job.model
+    if cfg is None or cfg.ep <= 1:
+        return
+    if not job.plan.experts:
+        raise TPError(f"ep={cfg.ep} but tpcompile found no stacked experts in {type(model).__name__} (3-D "
+                      "parameters indexed by a router's top-k); expert parallelism is for MoE models: "
+                      "drop ep")
+    mesh4 = _dims(cfg).expert_mesh(job.mesh)
+    model.tpcompile_expert_mesh = mesh4
+    job.experts = shard_experts(model, job.plan.experts, mesh4)
+
+
+def apply_activations(job: Job) -> None:
+    """6. Activation checkpointing, then offloading, before FSDP so that FSDP's hooks end
+    up outermost and TP's innermost (the nesting is explained in runtime/activations.py)."""
+    cfg, blocks = job.cfg, list(job.plan.blocks)
+    if cfg is None:
+        return
+    if cfg.activation_checkpointing:
+        activations.checkpoint_blocks(job.model, blocks)
+    if cfg.activation_offloading:
+        job.model.tpcompile_offload = activations.offload_activations(
+            job.model, blocks, loading_horizon=cfg.loading_horizon)
+
+
+def apply_fsdp(job: Job) -> None:
+    """7. FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest."""
+    if job.cfg is None:
+        return
+    fully_shard_model(job.model, list(job.plan.blocks), job.cfg, job.mesh, job.device, job.experts,
+                      getattr(job.model, "tpcompile_expert_mesh", None))
+
+
+def materialise(job: Job) -> None:
+    """8. Fill a meta model's shards (or take rank 0's weights, or read each rank's rows
+    of an HF checkpoint), per tensor.  The checkpoint code finds the TP group through the
+    3-D mesh, so it is attached first."""
+    cfg, model = job.cfg, job.model
+    if cfg is None:
+        return
+    model.tpcompile_mesh = job.mesh
+    used_seed = cfg.seed
+    if isinstance(job.pending, CheckpointLoader):
+        model.tpcompile_load_stats = job.pending.run(model, job.device)
+    elif job.pending is not None:
+        used_seed = job.pending.run(model, job.mesh, job.device)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed + data_parallel_rank(job.mesh)[0])
+    model.tpcompile_parallel = replace(cfg, seed=used_seed)
+
+
+def mark(job: Job) -> None:
+    """9. What the HF Trainer / accelerate read to leave the model's parallelism alone."""
+    mark_model(job.model)
+
+
+# The fixed order. Context parallelism (step 4) slots in between sp and ep.
+TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp)
+STEPS = (*TENSOR_PARALLEL_STEPS, apply_ep, apply_activations, apply_fsdp, materialise, mark)
+
+
+def tensor_parallel(job: Job) -> nn.Module:
+    """Steps 1-3 and the marks: what ``transform`` does."""
+    for step in (*TENSOR_PARALLEL_STEPS, mark):
+        step(job)
+    return job.model
+
+
+def compose(job: Job) -> nn.Module:
+    """Every step, in order: what ``parallelize`` does."""
+    for step in STEPS:
+        step(job)
+    return job.model
+
+
+def _dims(cfg: ParallelConfig) -> ParallelDims:
+    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep)

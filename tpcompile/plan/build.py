@@ -1,0 +1,312 @@
+"""Building the plan: analyse the captured model and write down every decision.
+
+:func:`plan_model` is the planning front door (no process group, no weights): capture,
+analysis, the self-check of rank 0's localized model, then :func:`build_plan`, which
+expands the analysed representative blocks to every block of the same structure and
+records, per parameter, role and index map, and per module, its collectives and
+attribute fix-ups; the expert and sequence plans are added last.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..analysis.fixups import find_fixups, verify_fixups
+from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
+from ..analysis.roles import Analyzed, analyze, key_matches
+from ..analysis.selfcheck import (
+    Mismatch,
+    SelfCheckError,
+    check_local,
+    raise_mismatches,
+    resolve_fixups,
+)
+from ..analysis.state import Feat, Partial
+from ..capture import Capture, capture
+from ..errors import TPError
+from .experts import expert_plans
+from .types import ModulePlan, ParamPlan, Plan, Role, index_to_runs
+
+__all__ = ["build_plan", "plan_model"]
+
+_SELF_CHECK_RETRIES = 4  # strict=False: modules replicated one by one until the check passes
+
+
+def _ruleset(rules: Iterable[Rule] | None) -> RuleSet:
+    from tpcompile.rules import default_rules
+
+    return RuleSet().add(default_rules()).add(rules or [])
+
+
+def plan_model(
+    model: nn.Module,
+    tp: int,
+    *,
+    loss_parallel: bool = False,
+    rules: Iterable[Rule] | None = None,
+    overrides: dict[str, str] | None = None,
+    strict: bool = True,
+    example_inputs: dict[str, Any] | None = None,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+) -> Plan:
+    """Decide how to split ``model`` over ``tp`` ranks, without touching it.
+
+    Needs no process group and no weights: build the model on the meta device to plan a
+    405B model on a laptop.  ``example_inputs`` is one batch of keyword arguments the
+    forward accepts; by default it is built from the model itself
+    (:func:`tpcompile.capture.example_inputs`).  The stacked-experts modules of a MoE
+    model are recorded in ``plan.experts`` whatever ``ep``; with ``ep > 1`` (expert
+    parallelism, applied by :func:`tpcompile.parallelize`) the expert count must divide
+    by it and the attributes holding it are found.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = AutoModelForCausalLM.from_config(cfg)      # doctest: +SKIP
+        >>> plan = plan_model(model, tp=8)
+        >>> plan.params["lm_head.weight"].role.value
+        'lm_head'
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise TPError(f"tp must be a positive integer, got {tp!r}")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise TPError(f"ep must be a positive integer, got {ep!r}")
+    t0 = time.perf_counter()
+    cap = capture(model, example_kwargs=example_inputs)
+    t1 = time.perf_counter()
+    forced = dict(overrides or {})
+
+    def run(cap: Capture) -> Analyzed:
+        return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
+                       buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced)
+
+    for attempt in range(_SELF_CHECK_RETRIES + 1):
+        a = run(cap)
+        if _crosses_cut_blocks(a, cap):
+            # one traced block stands for its copies only if no sharded value crosses a
+            # block boundary (a conv stack without norms alternates column and row)
+            cap = capture(model, example_kwargs=example_inputs, cut_stacks=False)
+            a = run(cap)
+        try:
+            fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
+            break
+        except SelfCheckError as err:
+            # non-strict: the module the localized model failed in stays replicated
+            if strict or not err.module or attempt == _SELF_CHECK_RETRIES:
+                raise
+            warnings.warn(f"tpcompile: {err.module} kept replicated: {err.first}", stacklevel=2)
+            forced[f"re:{re.escape(err.module)}\\..*"] = "replicated"
+            a.notes.append(f"{err.module} kept replicated (self-check: {err.first})")
+    plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
+    plan.ep = ep
+    plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
+                                retrace=lambda: capture(model, example_kwargs=example_inputs).graph)
+    _check_overrides(plan, overrides)
+    if sequence_parallel and tp > 1:
+        from .sequence import plan_sequence
+
+        plan.sequence = plan_sequence(model, plan)
+    plan.stats = {
+        "capture_s": round(t1 - t0, 4),
+        "analysis_s": round(time.perf_counter() - t1, 4),
+        "analysis_passes": a.passes,
+        "traced_blocks": cap.stacks.traced_len,
+    }
+    return plan
+
+
+def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
+    """Does a sharded activation (features or a partial sum) enter or leave a block of a
+    stack the capture cut short?  Then the blocks it stands for may need other roles."""
+    cut = [stack for stack, reps in cap.stacks.members.items() if cap.stacks.traced_len[stack] < len(reps)]
+    if not cut:
+        return False
+
+    def block(node: fx.Node) -> str | None:
+        for path in module_path(node):
+            for stack in cut:
+                head, _, rest = path.partition(stack + ".")
+                if not head and rest:
+                    return f"{stack}.{rest.split('.')[0]}"
+        return None
+
+    for node, value in a.an.value.items():
+        if not isinstance(value, Feat | Partial):
+            continue
+        here = block(node)
+        if any(block(u) != here for u in node.users if u.op == "call_function"):
+            return True
+    return False
+
+
+def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
+                  example_inputs: dict[str, Any] | None) -> dict[str, dict[str, list[int]]]:
+    """Hard-coded sizes made rank-local, proven by tracing rank 0's localized model.
+
+    Candidates whose local value does not change the traced graph are dropped; sizes
+    two attributes share globally are resolved by trying assignments; whatever remains
+    inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
+    def retrace() -> fx.Graph:
+        return capture(model, example_kwargs=example_inputs).graph
+
+    fixups, ambiguous = find_fixups(a, model)
+    if fixups:
+        fixups = verify_fixups(model, fixups, cap.graph, retrace)
+
+    def trace(shadow: nn.Module) -> fx.Graph:
+        inputs = None if example_inputs is None else {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+        return capture(shadow, example_kwargs=inputs).graph
+
+    def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
+        return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
+                           representative=cap.stacks.representative)
+
+    problems = check(fixups)
+    if problems and ambiguous:  # only then: keep the attributes the forward turns into a shape
+        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in ambiguous.items()}
+        kept = verify_fixups(model, probe, cap.graph, retrace)
+        ambiguous = {m: {k: ambiguous[m][k] for k in attrs} for m, attrs in kept.items()}
+    fixups, problems = resolve_fixups(fixups, ambiguous, check, problems)
+    raise_mismatches(problems, model, tp)
+    return fixups
+
+
+def _check_overrides(plan: Plan, overrides: dict[str, str] | None) -> None:
+    for key, role in (overrides or {}).items():
+        hits = [f for f in plan.params if key_matches(key, f)]
+        if not hits:
+            raise TPError(f"override {key!r} matches no parameter; keys are parameter FQNs or 're:<regex>'")
+        if role == "replicated":
+            continue
+        wrong = [f for f in hits if plan.params[f].role.value != role]
+        if wrong:
+            raise TPError(
+                f"override {key!r} -> {role!r} contradicts the dataflow for {wrong[:3]} "
+                f"(found {plan.params[wrong[0]].role.value!r}); only 'replicated' can be forced"
+            )
+
+
+def _owner(fqn: str) -> tuple[str, str]:
+    mod, _, name = fqn.rpartition(".")
+    return mod, name
+
+
+def _layout_kind(index: np.ndarray, size: int) -> str:
+    tp, local = index.shape
+    flat = index.reshape(-1)
+    if (flat < 0).any():
+        return "padded"
+    if np.unique(flat).size < flat.size:
+        return "kv_replicated"
+    if np.array_equal(flat, np.arange(size)):
+        return "contiguous"
+    return "fused"
+
+
+def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bool = False,
+               fixups: dict[str, dict[str, list[int]]] | None = None) -> Plan:
+    tp = a.part.tp
+    plan = Plan(tp=tp, model_class=type(model).__name__, loss_parallel=loss_parallel, warnings=list(a.notes))
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of[id(p)].append(name)
+    modules: dict[str, ModulePlan] = {}
+
+    def mod_plan(fqn: str) -> ModulePlan:
+        return modules.setdefault(fqn, ModulePlan(fqn=fqn))
+
+    rep_modules: dict[str, dict[str, Any]] = defaultdict(dict)
+    for m in a.column.values():
+        rep_modules[m]["copy_inputs"] = True
+    for fqn, m in a.lm_head.items():
+        rep_modules[m]["copy_inputs"] = True
+        rep_modules[m]["gather_output"] = not loss_parallel
+        rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+    for m, bias in a.row.values():
+        rep_modules[m]["reduce_output"] = True
+        if bias is not None:
+            owner, pname = _owner(bias)
+            if owner != m:
+                raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
+            rep_modules[m].setdefault("row_biases", []).append(pname)
+    for fqn, users in a.embedding.items():
+        for m in users:
+            rep_modules[m]["vocab_parallel"] = True
+            rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+
+    encoded: dict[str, tuple[str, list]] = {}
+    scopes = _use_scopes(cap)
+    for name, p in model.named_parameters():
+        rep = cap.stacks.representative(name)
+        aliases = [n for n in names_of[id(p)] if n != name]
+        # a tied parameter is traced under one of its names: look each of them up
+        key = next(
+            (r for r in (rep, *map(cap.stacks.representative, aliases)) if r in a.layouts or r in a.grad_allreduce),
+            rep,
+        )
+        lay = a.layouts.get(key)
+        owner, _ = _owner(name)
+        if lay is None:
+            role = Role.GRAD_ALLREDUCE if key in a.grad_allreduce else Role.REPLICATED
+            plan.params[name] = ParamPlan(fqn=name, role=role, module=owner, global_shape=list(p.shape),
+                                          local_shape=list(p.shape), tied_to=aliases)
+            if role is Role.GRAD_ALLREDUCE:
+                for n in [name, *aliases]:
+                    mo, pn = _owner(n)
+                    mod_plan(mo).grad_allreduce.append(pn)
+            continue
+        role = (Role.LM_HEAD if key in a.lm_head else Role.COLUMN if key in a.column else Role.ROW
+                if key in a.row else Role.VOCAB_EMBEDDING if key in a.embedding else Role.SHARDED)
+        local = list(p.shape)
+        local[lay.dim] = lay.local
+        if key not in encoded:  # every block of one structure shares its representative's
+            encoded[key] = (_layout_kind(lay.index, lay.size), index_to_runs(lay.index))
+        kind, runs = encoded[key]
+        plan.params[name] = ParamPlan(
+            fqn=name, role=role, module=owner, global_shape=list(p.shape), local_shape=local,
+            shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases,
+        )
+    for name, pp in plan.params.items():
+        up = scopes.get(cap.stacks.representative(name))
+        if up:  # same number of levels above the owner in every block of a stack
+            pp.scope = ".".join(name.split(".")[:-1 - up])
+    for mname, _ in model.named_modules():
+        rep = cap.stacks.representative(mname)
+        if rep in rep_modules:
+            mp = mod_plan(mname)
+            for k, v in rep_modules[rep].items():
+                setattr(mp, k, list(v) if isinstance(v, list) else v)
+        if fixups and rep in fixups:
+            mod_plan(mname).attr_fixups = dict(fixups[rep])
+    plan.modules = dict(sorted(modules.items()))
+    plan.blocks = [f"{stack}.{i}" for stack, reps in cap.stacks.members.items() for i in range(len(reps))]
+    return plan
+
+
+def _use_scopes(cap: Capture) -> dict[str, int]:
+    """``{param fqn: levels}`` for parameters that code of an ancestor of their owner reads
+    directly: how many levels above the owner the outermost such reader sits."""
+    out: dict[str, int] = {}
+    for node in cap.graph.nodes:
+        fqn = cap.param_of_placeholder.get(node.name) if node.op == "placeholder" else None
+        if fqn is None:
+            continue
+        owner = fqn.split(".")[:-1]
+        for user in node.users:
+            path = innermost_module(user).split(".") if innermost_module(user) else []
+            if len(path) < len(owner) and owner[: len(path)] == path:
+                out[fqn] = max(out.get(fqn, 0), len(owner) - len(path))
+    return out
+
+

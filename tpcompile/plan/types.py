@@ -1,0 +1,189 @@
+"""The plan: what tpcompile decided, as plain data.
+
+A :class:`Plan` says, for every parameter, its role and how its global (Hugging Face)
+tensor maps to each rank's shard, and for every module, which collectives wrap it.
+``dump-plan`` prints exactly this object; ``Plan.to_json`` / ``Plan.from_json`` round
+trip it; ``transform(..., overrides=...)`` uses the same keys (parameter FQNs, or
+``"re:<regex>"``) to force a role.
+
+Index maps are stored as runs: rank ``r`` holds the global rows
+``concat(range(a, b) for a, b in runs[r])`` of the sharded dim (``-1`` padding runs are
+written ``[-1, n]``: ``n`` zero rows).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PLAN_VERSION", "ExpertsPlan", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs",
+    "runs_to_index", "select_rows",
+]
+
+PLAN_VERSION = 1
+
+
+class Role(str, enum.Enum):
+    """What a parameter does under tensor parallelism."""
+
+    COLUMN = "column"  # output features split: Y_r = X W_r
+    ROW = "row"  # input features split: Y = sum_r X_r W_r (all-reduce)
+    VOCAB_EMBEDDING = "vocab_embedding"  # rows split, masked lookup + all-reduce
+    LM_HEAD = "lm_head"  # column over the vocabulary; logits gathered or loss-parallel
+    SHARDED = "sharded"  # a bias / per-head parameter split like the features it meets
+    GRAD_ALLREDUCE = "replicated_grad_allreduce"  # replicated, applied to sharded features
+    REPLICATED = "replicated"
+
+
+def index_to_runs(index: np.ndarray) -> list[list[list[int]]]:
+    """``(tp, local)`` index array → per-rank runs ``[[start, stop], ...]``."""
+    out: list[list[list[int]]] = []
+    for row in np.asarray(index, dtype=np.int64):
+        if row.size == 0:
+            out.append([])
+            continue
+        pad = row < 0
+        # a run breaks where padding starts/stops or the next index is not previous + 1
+        brk = np.ones(row.size, dtype=bool)
+        brk[1:] = (pad[1:] != pad[:-1]) | (~pad[1:] & (row[1:] != row[:-1] + 1))
+        starts = np.nonzero(brk)[0]
+        ends = np.append(starts[1:], row.size)
+        out.append([
+            [-1, int(e - s)] if pad[s] else [int(row[s]), int(row[e - 1]) + 1]
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ])
+    return out
+
+
+def select_rows(full: torch.Tensor, dim: int, index: np.ndarray) -> torch.Tensor:
+    """``full``'s entries ``index`` along ``dim``; ``-1`` (padding) entries are zeros."""
+    idx = torch.as_tensor(index, dtype=torch.long)
+    pad = idx < 0  # decided on the CPU: ``full`` may be on the meta device
+    local = full.index_select(dim, idx.clamp(min=0).to(full.device))
+    if bool(pad.any()) and full.device.type != "meta":
+        shape = [1] * local.dim()
+        shape[dim] = -1
+        local = local.masked_fill(pad.to(full.device).view(shape), 0)
+    return local.contiguous()
+
+
+def runs_to_index(runs: list[list[list[int]]]) -> np.ndarray:
+    rows = []
+    for rank_runs in runs:
+        parts = [np.full(b, -1) if a == -1 else np.arange(a, b) for a, b in rank_runs]
+        rows.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    return np.stack(rows).astype(np.int64)
+
+
+@dataclass(kw_only=True)
+class ParamPlan:
+    """One parameter's role and layout (``shard_dim`` is ``None`` unless split)."""
+
+    fqn: str
+    role: Role
+    module: str
+    global_shape: list[int]
+    local_shape: list[int]
+    shard_dim: int | None = None
+    layout: str = "replicated"  # contiguous | fused | kv_replicated | padded | replicated
+    runs: list[list[list[int]]] | None = None
+    tied_to: list[str] = field(default_factory=list)
+    # the module whose forward uses the parameter, when that is an ancestor of its owner
+    # (Mamba's mixer calls conv1d(x, self.conv1d.weight)): its local tensor is swapped in
+    # for that module's whole forward; ``None``: the owner
+    scope: str | None = None
+
+    def index(self) -> np.ndarray | None:
+        return None if self.runs is None else runs_to_index(self.runs)
+
+
+@dataclass(kw_only=True)
+class ModulePlan:
+    """Collectives around one module's forward."""
+
+    fqn: str
+    copy_inputs: bool = False  # identity forward, all-reduce of input grads backward
+    reduce_output: bool = False  # all-reduce of the partial-sum output
+    gather_output: bool = False  # all-gather of vocab-sharded logits
+    vocab_parallel: bool = False  # masked embedding lookup
+    vocab_size: int | None = None  # real (unpadded) rows, for masking/unpadding
+    # parameter names local to the module, like ``grad_allreduce``
+    row_biases: list[str] = field(default_factory=list)  # added once, after the reduce
+    grad_allreduce: list[str] = field(default_factory=list)
+    attr_fixups: dict[str, list[int]] = field(default_factory=dict)  # attr -> [global, local]
+
+
+@dataclass(kw_only=True)
+class ExpertsPlan:
+    """One stacked-experts module found from the dataflow (``tpcompile.plan.experts``).
+
+    Under expert parallelism over ``ep`` ranks, each rank holds experts
+    ``[r * E/ep, (r+1) * E/ep)`` of every parameter in ``params`` (dim 0) and the
+    module's attributes in ``size_attrs`` (``attr -> [E, E/ep]``, e.g. ``num_experts``)
+    read their local value while it runs."""
+
+    fqn: str
+    num_experts: int
+    params: list[str] = field(default_factory=list)  # names local to the module
+    size_attrs: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """Everything ``transform`` decided for one model at one ``tp``.
+
+    Example:
+        >>> plan = tpcompile.plan_model(model, tp=8)             # doctest: +SKIP
+        >>> plan.params["model.layers.0.self_attn.q_proj.weight"].role
+        <Role.COLUMN: 'column'>
+    """
+
+    tp: int
+    model_class: str = ""
+    params: dict[str, ParamPlan] = field(default_factory=dict)
+    modules: dict[str, ModulePlan] = field(default_factory=dict)
+    loss_parallel: bool = False
+    # the repeated transformer blocks the capture found (FSDP wrap units, checkpoint units)
+    blocks: list[str] = field(default_factory=list)
+    # stacked-experts modules (every MoE layer), and the expert-parallel degree planned for
+    experts: dict[str, ExpertsPlan] = field(default_factory=dict)
+    ep: int = 1
+    # sequence parallelism (tpcompile.plan.sequence.plan_sequence): where the residual stream
+    # is split and gathered; ``None``: off
+    sequence: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    def roles(self) -> dict[str, str]:
+        return {k: v.role.value for k, v in self.params.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for p in d["params"].values():
+            p["role"] = Role(p["role"]).value
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
+        params = {k: ParamPlan(**{**v, "role": Role(v["role"])}) for k, v in d["params"].items()}
+        modules = {k: ModulePlan(**v) for k, v in d["modules"].items()}
+        experts = {k: ExpertsPlan(**v) for k, v in d.get("experts", {}).items()}
+        # "cost" (dump-plan's derived section, tpcompile.tools.cost) is recomputed, not stored
+        rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost", "experts")}
+        return cls(params=params, modules=modules, experts=experts, **rest)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,102 @@
+"""Applying a plan: shard each parameter, install the backend's hooks, fix sizes.
+
+:func:`apply_plan` never holds more than one full tensor at a time; it reads nothing but
+the :class:`~tpcompile.plan.Plan` and the model, so a saved or edited plan applies as is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..analysis.fixups import apply_fixups, localize_embedding
+from ..plan.types import ModulePlan, Plan
+from .state_dict import install_state_dict_hooks
+
+__all__ = ["apply_plan"]
+
+
+def _owner(fqn: str) -> tuple[str, str]:
+    mod, _, name = fqn.rpartition(".")
+    return mod, name
+
+
+def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
+    """Shard parameters and install hooks per ``plan`` (in place)."""
+    mods = dict(model.named_modules())
+    swaps: dict[str, list[str]] = defaultdict(list)
+    scoped: dict[str, list[str]] = defaultdict(list)  # module -> descendants' param paths
+    done: dict[int, nn.Parameter] = {}
+    for name, pp in plan.params.items():
+        mname, pname = _owner(name)
+        old = mods[mname]._parameters[pname]
+        new = done.get(id(old))
+        if new is None:
+            # replicated parameters become replicated DTensors too: optimizers' foreach
+            # kernels and grad clipping refuse a mix of DTensors and plain tensors
+            with torch.no_grad():
+                local = old.detach() if pp.shard_dim is None else backend.local_shard(old.detach(), pp)
+            new = backend.make_param(local, pp, old.requires_grad)
+            done[id(old)] = new
+        for alias in [name, *pp.tied_to]:
+            am, ap = _owner(alias)
+            mods[am]._parameters[ap] = new
+            if alias == name and pp.scope is not None:
+                scoped[pp.scope].append(name[len(pp.scope) + 1:] if pp.scope else name)
+            else:
+                swaps[am].append(ap)
+        del old
+    by_alias = {alias: pp for pp in plan.params.values() for alias in [pp.fqn, *pp.tied_to]}
+    hooked = [m for m, mp in plan.modules.items()
+              if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output]
+    for mname in dict.fromkeys([*swaps, *hooked]):
+        names = swaps.get(mname, [])
+        mp = plan.modules.get(mname) or ModulePlan(fqn=mname)
+        vocab_range = None
+        if mp.vocab_parallel:
+            emb = next(by_alias[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in by_alias)
+            runs = emb.runs[backend.rank]
+            vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])
+            localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
+        replicas = {n: by_alias[f"{mname}.{n}"] for n in names
+                    if f"{mname}.{n}" in by_alias and by_alias[f"{mname}.{n}"].layout == "kv_replicated"}
+        backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
+    for mname, paths in scoped.items():
+        _install_scoped_swap(mods[mname], paths)
+    for mname, mp in plan.modules.items():
+        if mp.attr_fixups:
+            apply_fixups(mods[mname], mp.attr_fixups)
+    if getattr(backend, "tp", 1) > 1:
+        # state_dict()/load_state_dict() speak HF tensors, whatever the local layout
+        install_state_dict_hooks(model, plan.params, backend.mesh)
+    if hasattr(backend, "reset"):  # an input shared by column modules never spans two passes
+        model.register_forward_pre_hook(lambda *_: backend.reset())
+        model.register_forward_hook(lambda *_: backend.reset())
+    model.tpcompile_plan = plan
+    return model
+
+
+def _install_scoped_swap(module: nn.Module, paths: list[str]) -> None:
+    """For ``module``'s whole forward, its descendants' parameters at ``paths`` are their
+    local tensors (the code reads them directly, outside the owner's forward)."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        for path in paths:
+            owner, _, leaf = path.rpartition(".")
+            sub = mod.get_submodule(owner) if owner else mod
+            p = sub._parameters[leaf]
+            saved.append((sub, leaf, p))
+            sub._parameters[leaf] = p.to_local() if isinstance(p, DTensor) else p
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        while saved:  # always_call: restored even when the forward raised
+            sub, leaf, p = saved.pop()
+            sub._parameters[leaf] = p
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)

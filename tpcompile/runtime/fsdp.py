@@ -1,0 +1,48 @@
+"""FSDP2 over the data-parallel dims: each block one unit, the root the rest.
+
+Parameters end up as DTensors over ``(dp..., tp)``: FSDP2 shards each TP shard further
+along dim 0 over ``dp_shard`` and replicates it over ``dp_replicate``.  Experts modules
+(expert parallelism) are units of their own over the ``efsdp`` dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+from ..config import ParallelConfig
+from .mesh import ParallelDims
+
+__all__ = ["fully_shard_model"]
+
+
+def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
+                      device: str, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> None:
+    """Wrap ``blocks`` (then the root) with ``fully_shard`` on ``mesh``'s data-parallel dims."""
+    # a 2-D (replicate, shard) mesh is HSDP; NO_SHARD is HSDP with shard groups of 1
+    dp_mesh = ParallelDims.data_mesh(mesh, cfg.dp_replicate > 1)
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.mixed_precision is not None:
+        kwargs["mp_policy"] = cfg.mixed_precision
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")  # pinning needs CUDA
+    if experts:
+        # each experts module is its own unit, sharded over efsdp only (ep already split
+        # it), inside its block's unit (torchtitan's nesting). Its gradient sums every
+        # token of the EP group; divided by the whole dp degree it matches the mean the
+        # dense parameters get
+        emesh = expert_mesh["dp_replicate", "efsdp"] if cfg.dp_replicate > 1 else expert_mesh["efsdp"]
+        for module in experts:
+            fully_shard(module, **{**kwargs, "mesh": emesh})
+            module.set_gradient_divide_factor(float(cfg.dp_replicate * cfg.dp_shard))
+            if cfg.dp_shard // cfg.ep > 1:
+                # sum, then divide once (gloo has no PREMUL_SUM; a power of two divides
+                # exactly). Not with one efsdp rank: FSDP2 then divides by the factor
+                # while copying and would divide again after
+                module.set_force_sum_reduction_for_comms(True)
+    for fqn in blocks:
+        fully_shard(model.get_submodule(fqn), **kwargs)
+    fully_shard(model, **kwargs)

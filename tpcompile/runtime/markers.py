@@ -1,0 +1,101 @@
+"""Model attributes the ecosystem reads, set by the composer's last step.
+
+:func:`mark_model` sets what transformers 5 honours for a model it sharded itself
+(``DistributedConfig`` loading): ``_is_distributed_loading_by_transformers`` (the
+``Trainer`` prepares the model without a DDP wrapper, builds the optimizer on the
+sharded parameters, lets every rank into ``save_pretrained`` and defers FSDP2's gradient
+sync during gradient accumulation) and ``config.distributed_config`` (the tp / FSDP /
+replica degrees; never serialized into ``config.json``).  It also installs a guard that
+raises a :class:`~tpcompile.errors.TPError` if the ranks of a TP group receive different
+batches in their first training forwards (tensor parallelism needs identical inputs;
+without the guard a mis-sharded loader trains a silently wrong model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..errors import TPError
+
+__all__ = ["mark_model"]
+
+_GUARDED_FORWARDS = 2  # training forwards whose inputs are compared across the TP group
+
+
+def _degrees(model: nn.Module) -> tuple[int, int, int]:
+    """``(dp_replicate, dp_shard, tp)`` of a transformed or parallelized model."""
+    mesh: DeviceMesh = model.tpcompile_mesh
+    names = mesh.mesh_dim_names or ()
+    if "dp_shard" in names:  # parallelize: (dp_replicate, dp_shard, tp)
+        return mesh.size(names.index("dp_replicate")), mesh.size(names.index("dp_shard")), \
+            mesh.size(names.index("tp"))
+    return 1, 1, mesh.size()
+
+
+def _tp_group(model: nn.Module) -> Any:
+    mesh: DeviceMesh = model.tpcompile_mesh
+    return (mesh["tp"] if mesh.ndim > 1 else mesh).get_group()
+
+
+def mark_model(model: nn.Module) -> None:
+    """Set the attributes transformers' ``Trainer`` and accelerate read to recognise a
+    model that distributes itself; called by ``transform`` and ``parallelize``.
+
+    Example:
+        >>> model = tpcompile.transform(model, tp=2)          # doctest: +SKIP
+        >>> model.is_distributed_loading_by_transformers, model.config.distributed_config.tp_size
+        (True, 2)
+    """
+    rep, shard, tp = _degrees(model)
+    model._is_distributed_loading_by_transformers = True
+    config = getattr(model, "config", None)
+    if config is not None:
+        try:
+            from transformers.distributed.configuration_utils import DistributedConfig
+        except ImportError:  # older transformers: nothing reads it
+            DistributedConfig = None  # noqa: N806
+        if DistributedConfig is not None:
+            config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=rep)
+    if tp > 1 and not hasattr(model, "_tpcompile_input_guard"):
+        model._tpcompile_input_guard = model.register_forward_pre_hook(_InputGuard(), with_kwargs=True)
+
+
+class _InputGuard:
+    """Forward pre-hook: in the first training forwards, every rank of the TP group must
+    hold the same integer inputs (token ids, labels).  One all-gather of a few int64
+    checksums per checked forward; afterwards it costs nothing."""
+
+    def __init__(self) -> None:
+        self.left = _GUARDED_FORWARDS
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.left <= 0 or not model.training or not dist.is_initialized():
+            return
+        self.left -= 1
+        tensors = [t for t in (*args, *kwargs.values())
+                   if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+        if not tensors:
+            return
+        sums = torch.stack([_checksum(t) for t in tensors])
+        group = _tp_group(model)
+        everyone = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, sums, group=group)
+        differ = [r for r, s in enumerate(everyone) if s.shape != sums.shape or not torch.equal(s, everyone[0])]
+        if differ:
+            raise TPError(
+                f"the ranks of a tensor-parallel group received different batches (TP-group ranks {differ} differ "
+                "from its first rank); every rank of a TP group must see the same inputs. With the HF Trainer add "
+                "callbacks=[tpcompile.integrations.TPTrainerCallback()]; with accelerate use "
+                "tpcompile.integrations.prepare(accelerator, model, ...); in your own loop give each rank the "
+                "slice tpcompile.data_parallel_rank(model) names")
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1).long()
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
+    return torch.stack([torch.tensor(flat.numel(), device=flat.device), flat.sum(), (flat * weights).sum()])

@@ -1,0 +1,270 @@
+"""Sequence parallelism at run time: the splits and gathers a plan's ``sequence`` section
+asks for, hooked around the model's own modules (the plan: :mod:`tpcompile.plan.sequence`).
+
+* the stream is split (padded to a multiple of ``tp`` with copies of the last token)
+  entering a stack's first block and all-gathered leaving its last;
+* a region gathers its token-carrying arguments on entry and splits its token-carrying
+  outputs on exit; where the plan allows, the pair is Megatron's
+  (:func:`~tpcompile.runtime.comm.enter_tp` / :func:`~tpcompile.runtime.comm.leave_tp`): the same
+  traffic as plain tensor parallelism;
+* parameters applied to token slices get their gradient summed over the group;
+* calls asking for intermediate hidden states run whole; a stack split but never
+  gathered (LayerDrop) raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..plan.sequence import Path
+from . import comm
+
+__all__ = ["gather_tokens", "install_sequence_parallel", "pad_tokens", "split_tokens"]
+
+def pad_tokens(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``x`` padded along ``dim`` to a multiple of ``n`` with copies of the last token
+    (finite wherever real tokens are; gradients of the copies are zero because every
+    gather drops them)."""
+    short = -x.shape[dim] % n
+    if not short:
+        return x
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    return torch.cat([x, last.expand(*[short if d == dim else -1 for d in range(x.dim())])], dim)
+
+
+def split_tokens(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (padded to a multiple of the group size)."""
+    return comm.scatter_to_tp(pad_tokens(x, comm.group_size(group), dim), group, dim)
+
+
+def gather_tokens(x: torch.Tensor, group: Any, dim: int, length: int) -> torch.Tensor:
+    """All tokens of a split value (the padding dropped)."""
+    return _unpad(comm.gather_from_tp(x, group, dim), dim, length)
+
+
+def _unpad(full: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """The first ``length`` tokens, contiguous: model code ``.view()``s its inputs, as it
+    may with the unsplit tensor."""
+    return full.narrow(dim, 0, length).contiguous() if full.shape[dim] != length else full
+
+
+# ---------------------------------------------------------------- hooks
+
+
+def _get(obj: Any, path: Path) -> Any:
+    for key in path:
+        if isinstance(obj, dict):
+            obj = obj.get(key)
+        elif isinstance(obj, list | tuple) and isinstance(key, int) and key < len(obj):
+            obj = obj[key]
+        else:
+            return None
+    return obj
+
+
+def _set(obj: Any, path: Path, value: Any) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        return {**obj, key: _set(obj[key], rest, value)}
+    items = list(obj)
+    items[key] = _set(items[key], rest, value)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*items)
+    return type(obj)(items) if isinstance(obj, tuple | list) else items
+
+
+def _map_call(args: tuple, kwargs: dict, paths: list, fn: Any) -> tuple[tuple, dict]:
+    call = {"args": args, "kwargs": kwargs}
+    for path, dim in paths:
+        x = _get(call, path)
+        if isinstance(x, torch.Tensor):
+            call = _set(call, path, fn(x, dim))
+    return call["args"], call["kwargs"]
+
+
+def _map_out(out: Any, paths: list, fn: Any) -> Any:
+    for path, dim in paths:
+        x = _get(out, path)
+        if isinstance(x, torch.Tensor):
+            out = _set(out, path, fn(x, dim))
+    return out
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One forward's state of one stack: on or off, and the true token count."""
+
+    on: bool = False
+    length: int = 0
+    left: int = 0  # row outputs that left the current region already split
+    open: bool = False  # split by the first block, not yet gathered by the last
+
+
+def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], backend: Any) -> None:
+    """Hook the splits and gathers of ``seq`` (:func:`plan_sequence`) onto ``model``.
+
+    Where the plan allows, a region's input enters with :func:`~tpcompile.runtime.comm.enter_tp`
+    (its backward reduce-scatter replaces the columns' all-reduce) and a row module's
+    partial sum leaves with :func:`~tpcompile.runtime.comm.leave_tp` (a reduce-scatter instead
+    of an all-reduce and a split): the same traffic as plain TP."""
+    group = backend.group
+    fused = hasattr(backend, "mark_entered") and hasattr(backend, "exit_reducers")
+    mods = dict(model.named_modules())
+    streams = {stack: _Stream() for stack in seq["stacks"]}
+    wanted = {"on": True, "depth": 0}
+    _watch_outputs_asked(model, [s.rpartition(".")[0] for s in seq["stacks"]], wanted)
+    _guard_open_streams(model, streams)
+    for stack, spec in seq["stacks"].items():
+        _hook_stack(mods[spec["first"]], mods[spec["last"]], spec, streams[stack], wanted, group)
+    for name, spec in seq.get("grad_sum", {}).items():
+        _sum_grads(mods[name], spec["params"], streams[spec["stack"]], group)
+    for name, spec in seq["regions"].items():
+        st = streams[spec["stack"]]
+        for _path, dim, row in spec["split"]:
+            if row and fused:
+                backend.exit_reducers[id(mods[row])] = _leaver(st, group, dim)
+        _hook_region(mods[name], spec, st, backend if fused else None, group)
+
+
+def _watch_outputs_asked(model: nn.Module, stacks: list[str], wanted: dict) -> None:
+    """Calls that ask for intermediate hidden states would get slices of them: such
+    calls run whole. Watched on the model and every module above a stack, whichever
+    the user calls: the outermost call decides, an inner one can only switch off."""
+    mods = dict(model.named_modules())
+    owners = {""} | {".".join(s.split(".")[:i]) for s in stacks for i in range(1, len(s.split(".")) + 1)}
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        asks = kwargs.get("output_hidden_states")
+        if wanted["depth"] == 0:
+            if asks is None:
+                asks = getattr(getattr(mod, "config", None), "output_hidden_states", False)
+            wanted["on"] = not asks
+        elif asks:
+            wanted["on"] = False
+        wanted["depth"] += 1
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        wanted["depth"] -= 1
+
+    for name in owners:
+        mod = mods.get(name)
+        if mod is not None and not isinstance(mod, nn.ModuleList | nn.ModuleDict):
+            mod.register_forward_pre_hook(pre, with_kwargs=True)
+            mod.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _guard_open_streams(model: nn.Module, streams: dict[str, _Stream]) -> None:
+    """A stack split at its first block but never gathered (its last block skipped:
+    LayerDrop) would hand token slices to the model's head: refuse loudly."""
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        for stack, st in streams.items():
+            if st.open:
+                st.open = False
+                raise RuntimeError(f"sequence parallelism: {stack} was split but its last block did not run "
+                                   "(LayerDrop?); transform without sequence_parallel for such training")
+
+    model.register_forward_hook(post)
+
+
+def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, wanted: dict, group: Any) -> None:
+    """Split the stream entering the stack's first block, gather it leaving the last."""
+    path, dim = spec["stream"]
+
+    def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = _get({"args": args, "kwargs": kwargs}, path)
+        st.on = wanted["on"] and isinstance(x, torch.Tensor) and x.dim() > dim
+        if not st.on:
+            return args, kwargs
+        st.length, st.open = x.shape[dim], True
+        return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+
+    def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        # ``st`` stays as this forward left it (the next forward's first block resets
+        # it): activation checkpointing re-runs the regions' hooks in backward
+        if not st.on:
+            return out
+        st.open = False
+        return _map_out(out, [spec["output"]], lambda t, d: gather_tokens(t, group, d, st.length))
+
+    first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
+    last.register_forward_hook(last_post, with_kwargs=True)
+
+
+def _leaver(st: _Stream, group: Any, dim: int) -> Any:
+    """A row module's exit while the stream is split: pad, then reduce-scatter."""
+    def leave(t: torch.Tensor) -> torch.Tensor | None:
+        if not st.on:
+            return None
+        st.left += 1
+        return comm.leave_tp(pad_tokens(t, comm.group_size(group), dim), group, dim)
+    return leave
+
+
+def _hook_region(module: nn.Module, spec: dict, st: _Stream, backend: Any, group: Any) -> None:
+    def enter(t: torch.Tensor, dim: int, fuse: bool) -> torch.Tensor:
+        n = comm.group_size(group)
+        if t.shape[dim] * n != st.length + (-st.length % n):
+            raise RuntimeError(f"sequence parallelism: a region got {t.shape[dim]} tokens, expected this "
+                               f"rank's {(st.length + n - 1) // n} of {st.length} (was the stack's first "
+                               "block skipped, LayerDrop?)")
+        if not (fuse and backend is not None):
+            return gather_tokens(t, group, dim, st.length)
+        full = _unpad(comm.enter_tp(t, group, dim), dim, st.length)
+        backend.mark_entered(full)  # the columns take it as it is: no second all-reduce
+        return full
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        st.left = 0
+        if not st.on:
+            return args, kwargs
+        for path, dim, fuse in spec["gather"]:
+            args, kwargs = _map_call(args, kwargs, [[path, dim]], lambda t, d, f=fuse: enter(t, d, f))
+        return args, kwargs
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if not st.on:
+            return out
+        for path, dim, row in spec["split"]:
+            if row and backend is not None:
+                if not st.left:  # the plan proved the row output is the region's output
+                    raise RuntimeError(f"sequence parallelism: {row} did not leave its region split")
+                continue
+            out = _map_out(out, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+        return out
+
+    # prepend: the tokens are whole before the TP hooks (copy_to_tp) see them
+    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def _sum_grads(module: nn.Module, names: list[str], st: _Stream, group: Any) -> None:
+    """While the stream is split, ``module``'s parameters ``names`` are used through
+    ``all_reduce_grad``: their gradient sums every rank's tokens."""
+    mine: dict[str, Any] = {}
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        if not st.on:
+            return
+        for name in names:
+            p = mod._parameters[name]
+            # the backend swaps a DTensor for its local tensor and restores it itself;
+            # (isinstance(local, nn.Parameter) is no test: to_local keeps the flag)
+            if isinstance(p, DTensor) or type(p) is nn.Parameter:
+                mine[name] = p
+            local = p.to_local() if isinstance(p, DTensor) else p
+            mod._parameters[name] = comm.all_reduce_grad(local, group)
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        while mine:
+            name, p = mine.popitem()
+            mod._parameters[name] = p
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)

@@ -1,0 +1,274 @@
+"""The pure-PyTorch backend: DTensor parameters, local compute, explicit collectives.
+
+The model's own ``forward`` code runs unchanged.  Parallelism is wrapped around modules
+from outside with hooks:
+
+* every parameter is stored as a ``DTensor`` over the TP mesh (``Shard(dim)`` of its
+  tpcompile layout, or ``Replicate()``), so ``state_dict``, optimizers (foreach kernels
+  included), gradient clipping and FSDP2 see global shapes; during the owning module's
+  forward it is swapped for its local tensor (``to_local`` is differentiable, so
+  gradients land on the DTensor);
+* column-parallel modules see their inputs through ``copy_to_tp`` (identity forward,
+  all-reduce of the input gradient backward): ``Y_r = X · W_r``;
+* row-parallel modules all-reduce their partial output, ``Y = Σ_r X_r · W_r``, and add
+  their bias once, after the reduce;
+* a vocab-parallel embedding looks up only ids in its row range (others read row 0 and
+  are zeroed), then all-reduces;
+* the LM head all-gathers its vocab-sharded logits (or keeps them sharded for the
+  loss-parallel cross-entropy);
+* a replicated parameter applied to sharded features (Qwen3's ``q_norm``) is used through
+  ``all_reduce_grad`` so its gradient sums every rank's heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..plan.types import ModulePlan, ParamPlan, select_rows
+from . import comm
+from .collectives import Hook, module_collectives
+
+__all__ = ["TorchBackend"]
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+class TorchBackend:
+    """Applies a :class:`~tpcompile.plan.Plan` with DTensor parameters and hooks."""
+
+    name = "torch"
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.tp = mesh.size()
+        # the last input that entered the TP region, its version and its copy_to_tp view
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        # the LM head's last gathered logits and the local shard they came from
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        # id(module) -> how a row-parallel module's partial output leaves the region
+        # instead of the all-reduce when it returns ``None`` (sequence parallelism's
+        # reduce-scatter, :mod:`tpcompile.plan.sequence`)
+        self.exit_reducers: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}
+
+    def reset(self) -> None:
+        """Forget the shared input (each top-level forward starts a new autograd graph)."""
+        self._last = None
+        self._gathered = None
+
+    def gathered(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The local vocab shard behind ``logits`` if they are the LM head's gathered output."""
+        g = self._gathered
+        return g[1] if g is not None and g[0] is logits else None
+
+    def copy_in(self, t: torch.Tensor) -> torch.Tensor:
+        """``copy_to_tp(t)``, shared by consecutive column modules that read the same ``t``.
+
+        q, k and v (or gate and up) read one normed activation: entering the TP region
+        once makes autograd sum their input gradients *before* the single backward
+        all-reduce, instead of one all-reduce per projection (Megatron's fused "f").
+        Only the last input is remembered, so nothing outlives the next column module's
+        call; an in-place change of ``t`` (version bump) makes a fresh copy.
+        """
+        if not t.is_floating_point():
+            return t
+        if not torch.is_grad_enabled():
+            return comm.copy_to_tp(t, self.group)
+        last = self._last
+        if last is not None and last[0] is t and last[1] == t._version:
+            return last[2]
+        out = comm.copy_to_tp(t, self.group)
+        self._last = (t, t._version, out)
+        return out
+
+    def mark_entered(self, t: torch.Tensor) -> None:
+        """``t`` already entered the TP region (its backward sums the partial gradients,
+        as :func:`~tpcompile.runtime.comm.enter_tp` does): column modules use it as it is."""
+        self._last = (t, t._version, t)
+
+    # ---- parameters ---------------------------------------------------------------
+    def local_shard(self, full: torch.Tensor, plan: ParamPlan, rank: int | None = None) -> torch.Tensor:
+        """This rank's shard of a full (HF-layout) tensor, per the plan's index map."""
+        rank = self.rank if rank is None else rank
+        return select_rows(full, plan.shard_dim, plan.index()[rank])
+
+    def make_param(self, local: torch.Tensor, plan: ParamPlan, requires_grad: bool) -> nn.Parameter:
+        if self.tp == 1:  # nothing is split: DTensors would only add dispatch overhead
+            return nn.Parameter(local, requires_grad=requires_grad)
+        if plan.shard_dim is None:
+            dt = DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
+            return nn.Parameter(dt, requires_grad=requires_grad)
+        global_shape = list(local.shape)
+        global_shape[plan.shard_dim] *= self.tp
+        dt = DTensor.from_local(
+            local, self.mesh, [Shard(plan.shard_dim)], run_check=False,
+            shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+        )
+        return nn.Parameter(dt, requires_grad=requires_grad)
+
+    # ---- hooks --------------------------------------------------------------------
+    def install(
+        self,
+        module: nn.Module,
+        mplan: ModulePlan,
+        swaps: list[str],
+        vocab_range: tuple[int, int] | None,
+        replicas: dict[str, ParamPlan] | None = None,
+    ) -> None:
+        """Wrap ``module``'s forward with the collectives ``mplan`` asks for.
+
+        ``swaps`` names the DTensor parameters used locally; ``replicas`` those whose
+        rows several ranks hold (replicated KV heads): their gradients are summed over
+        the copies so every copy takes the same optimizer step.
+        """
+        group = self.group
+        replicas = replicas or {}
+        # the one description of what this module communicates (the cost model reads it too)
+        issued = module_collectives(mplan, replicas)
+        hooks = {c.hook for c in issued}
+        replica_index = {
+            c.param: (torch.as_tensor(replicas[c.param].index()[self.rank]),
+                      replicas[c.param].global_shape[replicas[c.param].shard_dim], replicas[c.param].shard_dim)
+            for c in issued if c.hook is Hook.REPLICA_SUM
+        }
+        grad_names = {c.param for c in issued if c.hook is Hook.GRAD_SUM}
+        enter, exit_reduce, exit_gather = Hook.ENTER in hooks, Hook.EXIT_REDUCE in hooks, Hook.EXIT_GATHER in hooks
+        if (vocab_range is not None) != (Hook.EMBED_REDUCE in hooks):
+            raise ValueError(f"{mplan.fqn}: a vocab range is given exactly for vocab-parallel embeddings")
+        row_biases = mplan.row_biases
+        state: dict[str, Any] = {}
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            saved: dict[str, Any] = {}
+            state["saved"] = saved  # filled as we go: restore() undoes a partial swap too
+            for name in swaps:
+                p = mod._parameters[name]
+                saved[name] = p
+                local = _local(p)
+                if name in replica_index:
+                    local = _ReplicaGradSum.apply(local, *replica_index[name], group)
+                mod._parameters[name] = local
+            for name in grad_names:
+                p = mod._parameters[name]
+                saved.setdefault(name, p)
+                mod._parameters[name] = comm.all_reduce_grad(mod._parameters[name], group)
+            for name in row_biases:
+                p = mod._parameters[name]
+                saved.setdefault(name, p)
+                # the bias is added once, after the all-reduce (post hook)
+                mod._parameters[name] = torch.zeros_like(_local(p))
+            # FSDP1 (use_orig_params) also sets its unsharded views as plain instance
+            # attributes, which attribute lookup finds before _parameters: swap those too
+            shadowed = {n: mod.__dict__[n] for n in saved if n in mod.__dict__}
+            for n in shadowed:
+                mod.__dict__[n] = mod._parameters[n]
+            state["shadowed"] = shadowed
+            if enter:
+                args, kwargs = _map_tensors(args, self.copy_in), _map_tensors(kwargs, self.copy_in)
+            if vocab_range is not None:
+                start, end = vocab_range
+                ids = args[0] if args else kwargs["input"]
+                mask = (ids < start) | (ids >= end)
+                local_ids = (ids - start).masked_fill(mask, 0)
+                state["mask"] = mask
+                if args:
+                    args = (local_ids, *args[1:])
+                else:
+                    kwargs = {**kwargs, "input": local_ids}
+            return args, kwargs
+
+        def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            saved = state.get("saved", {})
+            if vocab_range is not None:
+                mask = state.pop("mask")
+                out = out.masked_fill(mask.unsqueeze(-1), 0)
+                return comm.reduce_from_tp(out, group)
+            if exit_reduce:
+                leave = self.exit_reducers.get(id(mod))
+                split = []
+
+                def reduce(t: torch.Tensor) -> torch.Tensor:
+                    if not t.is_floating_point():
+                        return t
+                    left = leave(t) if leave is not None else None
+                    split.append(left is not None)
+                    return left if left is not None else comm.reduce_from_tp(t, group)
+                out = _map_tensors(out, reduce)
+                for name in row_biases:
+                    bias = _local(saved[name])
+                    # added to this rank's tokens only: its gradient sums the group's
+                    out = out + (comm.all_reduce_grad(bias, group) if any(split) else bias)
+            if exit_gather:
+                def gather(t: torch.Tensor) -> torch.Tensor:
+                    full = comm.gather_from_tp(t, group, dim=-1)
+                    full = full[..., : mplan.vocab_size] if mplan.vocab_size else full
+                    self._gathered = (full, t)  # lets the model's loss use the local shard
+                    return full
+                out = _map_tensors(out, gather)
+            return out
+
+        def restore(mod: nn.Module, args: tuple, out: Any) -> None:
+            # always_call: also when the forward (or ``post``) raised, so an exception
+            # never leaves local tensors or zeroed row biases in place of the parameters
+            for name, p in state.pop("saved", {}).items():
+                mod._parameters[name] = p
+            mod.__dict__.update(state.pop("shadowed", {}))
+            state.pop("mask", None)
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True)
+        module.register_forward_hook(restore, always_call=True)  # after post: it reads "saved"
+
+
+class _ReplicaGradSum(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of every copy of each global row.
+
+    Each rank's local rows are scattered into the (small) global row space, summed over
+    the TP group, and read back, so all copies of a replicated KV head get the full
+    gradient — exactly the unsharded model's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, rows: int, dim: int, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows, ctx.dim, ctx.group = rows, dim, group
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (index,) = ctx.saved_tensors
+        index = index.to(grad.device)
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.rows
+        full = grad.new_zeros(shape).index_add_(ctx.dim, index, grad)
+        torch.distributed.all_reduce(full, group=ctx.group)
+        return full.index_select(ctx.dim, index), None, None, None, None
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor behind a (possibly DTensor) parameter; differentiable."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return tuple(stride)

@@ -1,0 +1,593 @@
+"""What one training step costs per rank: collectives as executed, bytes, memory.
+
+``dump-plan`` answers "what will this cost?" before a GPU is spent. Nothing here is a
+second description of the runtime: every collective is derived from the code path that
+issues it.
+
+* **TP hooks**: :func:`~tpcompile.runtime.collectives.module_collectives` is the list
+  ``TorchBackend.install`` builds its hooks from; each record is bound to the captured
+  graph to size its tensor. ``copy_to_tp`` sharing follows ``TorchBackend.copy_in``'s
+  rule statically: consecutive column modules whose input is the *same graph node* (the
+  same tensor object at runtime: q|k|v, gate|up) enter the TP region once, so one
+  backward all-reduce; an input that does not require grad (a mask, rotary tables)
+  issues none.
+* **Loss**: the vocab-parallel cross-entropy's collectives
+  (:func:`~tpcompile.runtime.loss.vocab_parallel_ce_collectives`) when the model's own
+  causal-LM loss runs on the local vocab shard (``loss_parallel``, or the default mode
+  when ``loss_function`` receives the LM head's gathered output unchanged).
+* **FSDP2** (``dp_shard > 1``, ``FULL_SHARD``): per unit (each block of ``Plan.blocks``,
+  then the root) one all-gather of its parameter shards forward, one again backward (the
+  unit was resharded after forward) and one reduce-scatter of its gradients, with
+  FSDP2's dim-0 padding.
+
+Activation collectives scale with the number of tokens ``B × S``; parameter-sized ones
+(gradient sums, FSDP2) do not. Memory per rank: parameters, gradients and AdamW states
+(``exp_avg``, ``exp_avg_sq`` in the parameter dtype plus a float32 ``step`` per tensor)
+under the sharding given, and an activation estimate (see
+:func:`estimate_activations`).
+
+Names are the ``torch.distributed`` functions: ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` are FSDP2's collectives (torch >= 2.13 calls them
+``all_gather_single`` / ``reduce_scatter_single``: the same operation).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..capture import Capture, capture
+from ..errors import TPError
+from ..plan.types import ModulePlan, ParamPlan, Plan, Role
+from ..runtime.collectives import Hook, module_collectives
+from ..runtime.loss import vocab_parallel_ce_collectives
+
+__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "human_bytes", "render_modules", "render_summary",
+           "trace_collectives"]
+
+# every collective name the cost section may report (torch.distributed functions)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "broadcast")
+
+aten = torch.ops.aten
+# ops whose floating output carries no gradient although a floating input does
+_NO_GRAD_OPS = {
+    aten.detach.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.new_empty.default,
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Issue:
+    """One collective issued ``count`` times per step by ``source``, per rank.
+
+    Bytes of one call: ``bytes_per_token * tokens + fixed_bytes`` (tokens = ``B × S``).
+    """
+
+    source: str  # module FQN (the traced representative), "loss", or "fsdp:<unit>"
+    phase: str  # "forward" | "backward"
+    op: str  # a name of COLLECTIVES
+    group: str  # "tp" | "dp_shard"
+    count: int
+    bytes_per_token: Fraction = Fraction(0)
+    fixed_bytes: int = 0
+    what: str = ""
+    label: str = ""  # every module the source stands for: model.layers.{0..31}.mlp.up_proj
+
+    def bytes(self, tokens: int) -> Fraction:
+        return self.count * (self.bytes_per_token * tokens + self.fixed_bytes)
+
+
+# ------------------------------------------------------------------ the graph
+
+
+def _val(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def _floating(node: fx.Node) -> bool:
+    v = _val(node)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = _val(node)
+    return v.numel() * v.dtype.itemsize
+
+
+def _requires_grad(graph: fx.Graph, cap: Capture, model: nn.Module) -> set[fx.Node]:
+    """Nodes whose value requires grad in training: reached from a trainable parameter
+    through differentiable ops (the capture ran under no_grad, so this is recomputed)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            fqn = cap.param_of_placeholder.get(n.name)
+            if fqn is not None and params[fqn].requires_grad:
+                out.add(n)
+        elif n.op == "call_function" and n.target not in _NO_GRAD_OPS:
+            v = _val(n)
+            differentiable = isinstance(v, list | tuple) or _floating(n)
+            if differentiable and any(a in out for a in n.all_input_nodes):
+                out.add(n)
+    return out
+
+
+@dataclass
+class _Call:
+    """One call of a module in the captured graph: the nodes it consumes and produces."""
+
+    fqn: str
+    inputs: list[fx.Node]  # first-use order
+    outputs: list[fx.Node]
+
+
+def _module_calls(cap: Capture) -> list[_Call]:
+    """Every module call in the graph, in execution order (a call = an nn_module_stack key)."""
+    members: dict[str, list[fx.Node]] = {}
+    paths: dict[str, str] = {}
+    for n in cap.graph.nodes:
+        for key, (path, _) in (n.meta.get("nn_module_stack") or {}).items():
+            members.setdefault(key, []).append(n)
+            paths[key] = path
+    weights = set(cap.param_of_placeholder) | set(cap.buffer_of_placeholder)
+    calls = []
+    for key, nodes in members.items():
+        inside = set(nodes)
+        inputs: dict[fx.Node, None] = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a.op != "get_attr" and a.name not in weights:
+                    inputs.setdefault(a, None)
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        calls.append(_Call(paths[key], list(inputs), outputs))
+    return calls
+
+
+def _capture_tokens(cap: Capture) -> int:
+    """Tokens of the example input the graph was traced with (its sizes are per this)."""
+    for n in cap.graph.nodes:
+        if n.op == "placeholder" and n.name in cap.user_inputs:
+            v = _val(n)
+            if isinstance(v, torch.Tensor) and not v.is_floating_point():
+                return v.numel()
+    raise TPError("cannot size collectives: the captured graph has no token-id input")
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+def _replicas(plan: Plan, fqn: str) -> list[str]:
+    """Module-local names of ``fqn``'s KV-replicated parameters (as apply_plan passes them)."""
+    return [p.fqn.rpartition(".")[2] for p in plan.params.values()
+            if p.module == fqn and p.layout == "kv_replicated"]
+
+
+def _head_param(plan: Plan, fqn: str | None = None) -> ParamPlan | None:
+    """The LM head's weight plan (of module ``fqn``, which may hold it as a tied alias)."""
+    for p in plan.params.values():
+        if p.role is Role.LM_HEAD:
+            owners = {p.module, *(t.rpartition(".")[0] for t in p.tied_to)}
+            if fqn is None or fqn in owners:
+                return p
+    return None
+
+
+def _head_module(plan: Plan) -> str | None:
+    """The module the LM head's hooks wrap (it enters the TP region; a tied embedding does not)."""
+    head = _head_param(plan)
+    if head is None:
+        return None
+    owners = [head.module, *(t.rpartition(".")[0] for t in head.tied_to)]
+    return next((m for m in owners if m in plan.modules and plan.modules[m].copy_inputs), head.module)
+
+
+def _gathered_per_token(node: fx.Node, plan: Plan, fqn: str, tokens: int) -> Fraction:
+    """Bytes per token of the logits shard this rank passes to the all-gather."""
+    full = Fraction(_nbytes(node), tokens)
+    head = _head_param(plan, fqn)
+    if head is None:
+        return full
+    return full / _val(node).shape[-1] * head.local_shape[head.shard_dim]
+
+
+def trace_collectives(model: nn.Module, plan: Plan, cap: Capture | None = None) -> tuple[list[Issue], dict[str, str]]:
+    """The TP and loss collectives one training step issues, per rank.
+
+    Returns the issues (one per module and collective, ``count`` = calls × blocks of
+    that structure) and ``{module: module whose copy_to_tp input it shares}``.
+
+    Example:
+        >>> issues, shared = trace_collectives(model, plan_model(model, tp=8))  # doctest: +SKIP
+        >>> shared["model.layers.0.self_attn.k_proj"]
+        'model.layers.0.self_attn.q_proj'
+    """
+    if plan.tp == 1:
+        return [], {}
+    cap = cap or capture(model)
+    tokens = _capture_tokens(cap)
+    grad = _requires_grad(cap.graph, cap, model)
+    issues: list[Issue] = []
+    shared: dict[str, str] = {}
+    last: tuple[fx.Node, str] | None = None  # TorchBackend.copy_in remembers one input
+    for call in _module_calls(cap):
+        mplan = plan.modules.get(call.fqn) or ModulePlan(fqn=call.fqn)
+        expanded = cap.stacks.expand(call.fqn)
+        blocks, label = len(expanded), _label(expanded)
+        for c in module_collectives(mplan, _replicas(plan, call.fqn)):
+            base = dict(source=call.fqn, phase=c.phase, op=c.op, group="tp", label=label)
+            if c.hook is Hook.ENTER:
+                for node in call.inputs:
+                    if not _floating(node):
+                        continue
+                    if last is not None and last[0] is node:
+                        shared[call.fqn] = last[1]
+                        continue
+                    last = (node, call.fqn)
+                    if node in grad:
+                        issues.append(Issue(**base, count=blocks, what=f"grad of input {node.name}",
+                                            bytes_per_token=Fraction(_nbytes(node), tokens)))
+            elif c.hook in (Hook.EMBED_REDUCE, Hook.EXIT_REDUCE, Hook.EXIT_GATHER):
+                for node in call.outputs:
+                    if _floating(node):
+                        size = _gathered_per_token(node, plan, call.fqn, tokens) \
+                            if c.hook is Hook.EXIT_GATHER else Fraction(_nbytes(node), tokens)
+                        issues.append(Issue(**base, count=blocks, what=f"output {node.name}", bytes_per_token=size))
+            else:  # GRAD_SUM / REPLICA_SUM: the parameter's gradient
+                pp = plan.params[f"{call.fqn}.{c.param}"]
+                shape = pp.global_shape if c.hook is Hook.REPLICA_SUM else pp.local_shape
+                numel = 1
+                for d in shape:
+                    numel *= d
+                dtype = model.get_parameter(pp.fqn).dtype
+                issues.append(Issue(**base, count=blocks, what=f"grad of {c.param}",
+                                    fixed_bytes=numel * dtype.itemsize))
+    issues += _loss_issues(model, plan, cap)
+    return issues, shared
+
+
+def _label(fqns: list[str]) -> str:
+    """``[a.0.b, a.1.b, a.3.b]`` → ``a.{0..1,3}.b`` (the first numeric component varies)."""
+    if len(fqns) == 1:
+        return fqns[0]
+    parts = [f.split(".") for f in fqns]
+    at = next(i for i, p in enumerate(parts[0]) if p.isdigit())
+    runs: list[list[int]] = []
+    for i in sorted(int(p[at]) for p in parts):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+    return ".".join([*parts[0][:at], "{" + text + "}", *parts[0][at + 1:]])
+
+
+def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
+    """The vocab-parallel CE's collectives, when the model's loss runs on the local shard."""
+    from ..runtime.loss import is_causal_lm_loss
+
+    head = _head_module(plan)
+    if head is None:
+        return []
+    if not plan.loss_parallel:
+        if not is_causal_lm_loss(getattr(model, "loss_function", None)):
+            return []
+        # the local loss runs only if loss_function receives the gathered logits as the
+        # LM head returned them; a model that changes them first (soft-capping) does not
+        out = next(n for n in cap.graph.nodes if n.op == "output")
+        direct = set(out.all_input_nodes)
+        head_nodes = {n for call in _module_calls(cap) if call.fqn == head for n in call.outputs}
+        if not direct & head_nodes:
+            return []
+    return [Issue(source="loss", phase=phase, op=op, group="tp", count=1,
+                  bytes_per_token=Fraction(values * 4), what=f"{values} float32 per token")
+            for phase, op, values in vocab_parallel_ce_collectives()]
+
+
+# ------------------------------------------------------------------ FSDP2 and memory
+
+
+def _units(model: nn.Module, plan: Plan) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """FSDP2 units (each block, then the root) and the parameters each one shards."""
+    units: dict[str, list[tuple[str, nn.Parameter]]] = {b: [] for b in plan.blocks}
+    ordered = sorted(plan.blocks, key=len, reverse=True)
+    units[""] = []
+    for name, p in model.named_parameters():  # tied parameters once, as FSDP2 sees them
+        unit = next((b for b in ordered if name.startswith(b + ".")), "")
+        units[unit].append((name, p))
+    return units
+
+
+def _local_shape(plan: Plan, name: str, p: nn.Parameter) -> list[int]:
+    pp = plan.params.get(name)
+    return list(pp.local_shape) if pp is not None and plan.tp > 1 else list(p.shape)
+
+
+def _shard_numel(shape: list[int], dp: int) -> int:
+    """FSDP2's padded dim-0 shard: ``torch.chunk`` chunk 0 (``ceil(d0 / dp)`` rows)."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // dp)
+    for d in shape[1:]:
+        rows *= d
+    return rows
+
+
+def _fsdp_issues(model: nn.Module, plan: Plan, dp_shard: int) -> list[Issue]:
+    issues = []
+    for unit, params in _units(model, plan).items():
+        if not params:
+            continue
+        shard = sum(_shard_numel(_local_shape(plan, n, p), dp_shard) * p.dtype.itemsize for n, p in params)
+        grads = sum(_shard_numel(_local_shape(plan, n, p), dp_shard) * p.dtype.itemsize
+                    for n, p in params if p.requires_grad)
+        src = f"fsdp:{unit or '<root>'}"
+        ag = dict(source=src, op="all_gather_into_tensor", group="dp_shard", count=1, fixed_bytes=shard)
+        issues.append(Issue(phase="forward", what="parameter shards", **ag))
+        issues.append(Issue(phase="backward", what="parameter shards (resharded after forward)", **ag))
+        if grads:
+            issues.append(Issue(source=src, phase="backward", op="reduce_scatter_tensor", group="dp_shard",
+                                count=1, fixed_bytes=grads * dp_shard, what="unsharded gradients"))
+    return issues
+
+
+def _memory(model: nn.Module, plan: Plan, dp_shard: int) -> dict[str, int]:
+    params = grads = tensors = 0
+    for name, p in model.named_parameters():
+        size = _shard_numel(_local_shape(plan, name, p), dp_shard) * p.dtype.itemsize
+        params += size
+        if p.requires_grad:
+            grads += size
+            tensors += 1
+    return {"parameters": params, "gradients": grads, "adamw_states": 2 * grads + 4 * tensors}
+
+
+# ------------------------------------------------------------------ activations
+
+
+def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
+                         cap: Capture | None = None) -> dict[str, Any]:
+    """Activation bytes one rank holds at the end of forward, for ``batch × seq`` tokens.
+
+    How: a copy of the model with every parameter at this rank's local (TP) shape, as
+    fake CPU tensors (no memory), with the plan's attribute fix-ups, runs one training
+    forward under ``saved_tensors_hooks``; every tensor autograd saves for backward is
+    counted once per storage, parameters excluded. Repeated blocks run once and count
+    once per block of their structure. Added: the gathered logits the caller holds
+    (default mode) and the loss's saved buffer (the vocab-parallel CE's float32
+    ``[tokens, local vocab]``, or a float32 log-softmax over the full vocabulary).
+    Kernels are CPU's (SDPA's saved tensors differ by backend), and FSDP2's unsharded
+    parameters and temporaries are not included.
+
+    Returns ``{"bytes", "saved_for_backward", "logits", "loss", "method"}``, or
+    ``{"bytes": None, "error"}`` when the model does not run on fake tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..analysis.fixups import apply_fixups
+
+    cap = cap or capture(model)
+    stacks = cap.stacks
+    # the loss runs on the local vocab shard exactly when the vocab-parallel CE is issued
+    local_loss = plan.tp > 1 and bool(_loss_issues(model, plan, cap))
+    mode = FakeTensorMode()
+    memo: dict[int, Any] = {}
+    with mode:
+        for name, p in model.named_parameters(remove_duplicate=False):  # primary name first
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(torch.empty(_local_shape(plan, name, p), dtype=p.dtype),
+                                           requires_grad=p.requires_grad)
+        for b in model.buffers():
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+    shadow = copy.deepcopy(model, memo)
+    if plan.tp > 1:
+        for mname, mp in plan.modules.items():
+            if mp.attr_fixups:
+                apply_fixups(shadow.get_submodule(mname), mp.attr_fixups)
+    weight: dict[str, int] = {}
+    for stack, reps in stacks.members.items():  # run one block per structure
+        mlist = shadow.get_submodule(stack)
+        mlist._modules = dict(list(mlist._modules.items())[: max(reps) + 1])
+        weight.update({f"{stack}.{i}": reps.count(i) for i in set(reps)})
+    current: list[str] = [""]
+    for fqn in weight:
+        block = shadow.get_submodule(fqn)
+        block.register_forward_pre_hook(lambda _m, _a, f=fqn: current.__setitem__(0, f))
+        block.register_forward_hook(lambda *_: current.__setitem__(0, ""))
+    owned = {p.untyped_storage()._cdata for p in shadow.parameters()}
+    saved: dict[int, tuple[str, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s._cdata not in owned and s._cdata not in saved:
+            saved[s._cdata] = (current[0], s.nbytes())
+        return t
+
+    shadow.train()
+    try:
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ids = torch.zeros(batch, seq, dtype=torch.long)
+            try:
+                out = shadow(ids, use_cache=False)
+            except TypeError:
+                out = shadow(ids)
+    except Exception as err:  # noqa: BLE001 - any model code may refuse fake tensors
+        return {"bytes": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+    body = sum(n * weight.get(block, 1) for block, n in saved.values())
+    logits = getattr(out, "logits", None) if not isinstance(out, torch.Tensor) else out
+    tokens = batch * seq
+    head = _head_param(plan)
+    vocab = logits.shape[-1] if logits is not None else 0
+    full_vocab = head.global_shape[head.shard_dim] if head is not None and plan.tp > 1 else vocab
+    gathered = head is not None and plan.tp > 1 and not plan.loss_parallel
+    held = tokens * full_vocab * logits.dtype.itemsize if gathered and logits is not None else 0
+    if local_loss and head is not None:
+        loss = tokens * (vocab * 4 + 8 + 2)  # float32 softmax buffer, int64 ids, two masks
+    else:
+        loss = tokens * full_vocab * 4  # cross_entropy's float32 log-softmax
+    return {"bytes": body + held + loss, "saved_for_backward": body, "logits": held, "loss": loss,
+            "method": "saved-for-backward tensors of a fake-tensor forward at local shapes "
+                      "(repeated blocks once) + gathered logits + loss buffer"}
+
+
+# ------------------------------------------------------------------ the report
+
+
+def _totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for phase in ("forward", "backward"):
+        table: dict[str, dict[str, Any]] = {}
+        for op in COLLECTIVES:
+            mine = [i for i in issues if i.phase == phase and i.op == op]
+            count = sum(i.count for i in mine)
+            if tokens is None:
+                per_token = sum((i.count * i.bytes_per_token for i in mine), Fraction(0))
+                table[op] = {"count": count, "bytes_per_token": float(per_token),
+                             "fixed_bytes": sum(i.count * i.fixed_bytes for i in mine)}
+            else:
+                table[op] = {"count": count, "bytes": int(sum((i.bytes(tokens) for i in mine), Fraction(0)))}
+        out[phase] = table
+    return out
+
+
+def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq: int | None = None,
+                  dp_shard: int = 1) -> dict[str, Any]:
+    """The ``cost`` section of ``dump-plan``: per-rank collectives and memory of one step.
+
+    ``batch × seq`` are the tokens each TP group processes per step (each data-parallel
+    rank's micro-batch); without them, collective bytes are given per token (plus the
+    fixed, parameter-sized part) and activations are left out. ``dp_shard > 1`` adds
+    FSDP2 (``FULL_SHARD``) on top of ``tp``, as ``tpcompile.parallelize`` builds it.
+
+    Example:
+        >>> plan = plan_model(model, tp=2)                          # doctest: +SKIP
+        >>> cost = estimate_cost(model, plan, batch=2, seq=16)
+        >>> cost["per_step"]["backward"]["all_reduce"]["count"]    # 2 per block + LM head
+        5
+    """
+    if (batch is None) != (seq is None):
+        raise TPError("give both batch and seq (tokens per step = batch × seq), or neither")
+    for key, value in (("batch", batch), ("seq", seq), ("dp_shard", dp_shard)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise TPError(f"{key} must be a positive integer, got {value!r}")
+    cap = capture(model)
+    issues, shared = trace_collectives(model, plan, cap)
+    if dp_shard > 1:
+        issues += _fsdp_issues(model, plan, dp_shard)
+    tokens = None if batch is None else batch * seq
+    memory: dict[str, Any] = _memory(model, plan, dp_shard)
+    notes = []
+    activations: dict[str, Any] | None = None
+    if tokens is not None:
+        activations = estimate_activations(model, plan, batch=batch, seq=seq, cap=cap)
+        memory["activations"] = activations["bytes"]
+        if activations["bytes"] is None:
+            notes.append(f"activation estimate unavailable: {activations['error']}")
+    else:
+        memory["activations"] = None
+        notes.append("activations need --batch and --seq")
+    memory["total"] = sum(v for v in memory.values() if v is not None)
+    return {
+        "tp": plan.tp, "dp_shard": dp_shard, "batch": batch, "seq": seq, "tokens": tokens,
+        "per_step": _totals(issues, tokens),
+        "memory_per_rank": memory,
+        "activations": activations,
+        "issues": [_issue_dict(i) for i in issues],
+        "shared_inputs": shared,
+        "notes": notes,
+    }
+
+
+def _issue_dict(i: Issue) -> dict[str, Any]:
+    return {"source": i.source, "modules": i.label or i.source, "phase": i.phase, "op": i.op, "group": i.group,
+            "count": i.count, "bytes_per_token": float(i.bytes_per_token), "fixed_bytes": i.fixed_bytes,
+            "what": i.what}
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in B / KiB / MiB / GiB / TiB, for tables."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _ops_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {op.replace('_', '-')}" for op, n in counts.items() if n) or "none"
+
+
+def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
+    """The table's collectives section: one line per (collapsed) module, then one block."""
+    calls: dict[str, dict[str, dict[str, int]]] = {}
+    per_block: dict[str, dict[str, dict[str, int]]] = {}
+    first: dict[str, str] = {}
+    for i in cost["issues"]:
+        if i["source"] == "loss" or i["source"].startswith("fsdp:"):
+            continue
+        entry = calls.setdefault(i["modules"], {"forward": {}, "backward": {}})
+        entry[i["phase"]][i["op"]] = entry[i["phase"]].get(i["op"], 0) + 1
+        first.setdefault(i["modules"], i["source"])
+        block = next((b for b in blocks if i["source"].startswith(b + ".")), None)
+        if block is not None:
+            b = per_block.setdefault(block, {"forward": {}, "backward": {}})
+            b[i["phase"]][i["op"]] = b[i["phase"]].get(i["op"], 0) + 1
+    sharers: dict[str, list[str]] = defaultdict(list)
+    for reader, owner in cost["shared_inputs"].items():
+        sharers[owner].append(reader.rpartition(".")[2])
+    lines = []
+    for label, entry in calls.items():
+        line = f"{label}: fwd {_ops_text(entry['forward'])}; bwd {_ops_text(entry['backward'])}"
+        if sharers.get(first[label]):
+            line += f" (input all-reduce shared with {', '.join(sharers[first[label]])})"
+        lines.append(line)
+    if per_block:
+        block, entry = next(iter(per_block.items()))
+        # a block module's issue is counted once per block of the same structure
+        repeats = next(i["count"] for i in cost["issues"] if i["source"].startswith(block + "."))
+        lines.append(f"per block: fwd {_ops_text(entry['forward'])}, bwd {_ops_text(entry['backward'])}"
+                     f"   (e.g. {block}; {repeats} blocks like it)")
+    loss = [i for i in cost["issues"] if i["source"] == "loss"]
+    if loss:
+        lines.append(f"loss (vocab-parallel cross-entropy): fwd {len(loss)} all-reduce of "
+                     f"{'+'.join(str(int(i['bytes_per_token'])) for i in loss)} B/token")
+    units = [i for i in cost["issues"] if i["source"].startswith("fsdp:")]
+    if units:
+        n = len({i["source"] for i in units})
+        lines.append(f"FSDP2 dp_shard={cost['dp_shard']}, {n} units: each fwd 1 all-gather-into-tensor; "
+                     "bwd 1 all-gather-into-tensor, 1 reduce-scatter-tensor")
+    return lines or ["none"]
+
+
+def render_summary(cost: dict[str, Any]) -> str:
+    """The one summary line of a step: collectives, bytes, memory per rank."""
+    tokens = cost["tokens"]
+    phases = []
+    for phase in ("forward", "backward"):
+        parts = []
+        for op, v in cost["per_step"][phase].items():
+            if not v["count"]:
+                continue
+            if tokens is None:
+                size = f"{human_bytes(v['bytes_per_token'])}/token" + \
+                    (f" + {human_bytes(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
+            else:
+                size = human_bytes(v["bytes"])
+            parts.append(f"{v['count']} {op} {size}")
+        phases.append(f"{'fwd' if phase == 'forward' else 'bwd'} {', '.join(parts) or 'none'}")
+    mem = cost["memory_per_rank"]
+    act = "activations need --batch/--seq" if tokens is None else \
+        "activations n/a" if mem["activations"] is None else f"activations {human_bytes(mem['activations'])}"
+    head = f"per step, {cost['batch']}×{cost['seq']} tokens per rank" if tokens is not None else \
+        "per step (bytes per token; --batch/--seq for totals)"
+    return (f"{head}: {'; '.join(phases)}; memory per rank {human_bytes(mem['total'])} = params "
+            f"{human_bytes(mem['parameters'])} + grads {human_bytes(mem['gradients'])} + AdamW "
+            f"{human_bytes(mem['adamw_states'])} + {act}")
