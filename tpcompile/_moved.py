@@ -35,7 +35,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "tpcompile.backends": ("tpcompile.runtime.backend",),
     "tpcompile.backends.torch_backend": ("tpcompile.runtime.torch_backend",),
     "tpcompile.backends.te_backend": ("tpcompile.runtime.te_backend",),
-    "tpcompile.backends.collectives": ("tpcompile.runtime.collectives",),
+    "tpcompile.backends.collectives": ("tpcompile.plan.modules",),
     "tpcompile.backends.sequence_parallel": ("tpcompile.runtime.sequence",),
     "tpcompile.analysis.experts": ("tpcompile.plan.experts",),
     "tpcompile.checkpoint.convert": ("tpcompile.checkpoint.translate",),

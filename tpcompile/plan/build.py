@@ -35,7 +35,16 @@ from ..analysis.state import Feat, Partial
 from ..capture import Capture, capture
 from ..errors import TPError
 from .experts import expert_plans
-from .types import ModulePlan, ParamPlan, Plan, Role, index_to_runs
+from .modules import (
+    EnterRegion,
+    GatherOutput,
+    GradSum,
+    ModuleOp,
+    ModulePlan,
+    ReduceOutput,
+    VocabEmbedding,
+)
+from .types import ParamPlan, Plan, Role, index_to_runs
 
 __all__ = ["build_plan", "plan_model"]
 
@@ -226,24 +235,28 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     def mod_plan(fqn: str) -> ModulePlan:
         return modules.setdefault(fqn, ModulePlan(fqn=fqn))
 
-    rep_modules: dict[str, dict[str, Any]] = defaultdict(dict)
+    # per representative module: its ops, by kind (a vocab-parallel embedding reduces its
+    # own output, so it takes neither a row reduce nor a gather)
+    rep_ops: dict[str, dict[type, ModuleOp]] = defaultdict(dict)
     for m in a.column.values():
-        rep_modules[m]["copy_inputs"] = True
+        rep_ops[m][EnterRegion] = EnterRegion()
     for fqn, m in a.lm_head.items():
-        rep_modules[m]["copy_inputs"] = True
-        rep_modules[m]["gather_output"] = not loss_parallel
-        rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+        rep_ops[m][EnterRegion] = EnterRegion()
+        if not loss_parallel:
+            rep_ops[m][GatherOutput] = GatherOutput(vocab_size=int(a.layouts[fqn].size))
     for m, bias in a.row.values():
-        rep_modules[m]["reduce_output"] = True
+        biases = rep_ops[m][ReduceOutput].row_biases if ReduceOutput in rep_ops[m] else ()
         if bias is not None:
             owner, pname = _owner(bias)
             if owner != m:
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
-            rep_modules[m].setdefault("row_biases", []).append(pname)
+            biases = (*biases, pname)
+        rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases)
     for fqn, users in a.embedding.items():
         for m in users:
-            rep_modules[m]["vocab_parallel"] = True
-            rep_modules[m]["vocab_size"] = int(a.layouts[fqn].size)
+            rep_ops[m][VocabEmbedding] = VocabEmbedding(vocab_size=int(a.layouts[fqn].size))
+            rep_ops[m].pop(ReduceOutput, None)
+            rep_ops[m].pop(GatherOutput, None)
 
     encoded: dict[str, tuple[str, list]] = {}
     scopes = _use_scopes(cap)
@@ -264,7 +277,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             if role is Role.GRAD_ALLREDUCE:
                 for n in [name, *aliases]:
                     mo, pn = _owner(n)
-                    mod_plan(mo).grad_allreduce.append(pn)
+                    mod_plan(mo).add(GradSum(params=(pn,)))
             continue
         role = (Role.LM_HEAD if key in a.lm_head else Role.COLUMN if key in a.column else Role.ROW
                 if key in a.row else Role.VOCAB_EMBEDDING if key in a.embedding else Role.SHARDED)
@@ -283,10 +296,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             pp.scope = ".".join(name.split(".")[:-1 - up])
     for mname, _ in model.named_modules():
         rep = cap.stacks.representative(mname)
-        if rep in rep_modules:
-            mp = mod_plan(mname)
-            for k, v in rep_modules[rep].items():
-                setattr(mp, k, list(v) if isinstance(v, list) else v)
+        for op in rep_ops.get(rep, {}).values():
+            mod_plan(mname).add(op)
         if fixups and rep in fixups:
             mod_plan(mname).attr_fixups = dict(fixups[rep])
     plan.modules = dict(sorted(modules.items()))

@@ -110,7 +110,7 @@ def _regions(block: str, plan: Any, cap_rep: Any, modules: dict[str, nn.Module])
     its children, or a container's members (T5's ``layer[i]``). ``None``: the block's
     own code runs a tensor-parallel op, so no child can stand for it."""
     hooked = {cap_rep(m) for m, mp in plan.modules.items()
-              if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output}
+              if mp.hooked}
     hooked |= {cap_rep(p.module) for p in plan.params.values() if p.shard_dim is not None}
     if block in hooked:
         return None
@@ -220,9 +220,9 @@ def _sharded_features(graph: fx.Graph, block: str, plan: Any) -> set[fx.Node]:
         m = innermost_module(node)
         mp = plan.modules.get(m)
         leaves = mp is not None and any(not _inside(u, m) for u in node.users)
-        if leaves and mp.reduce_output:
+        if leaves and mp.reduces:
             continue  # summed on the way out
-        if (leaves and mp.copy_inputs and not mp.gather_output) or any(x in out for x in node.all_input_nodes):
+        if (leaves and mp.enters and not mp.gathers) or any(x in out for x in node.all_input_nodes):
             out.add(node)
     return out
 
@@ -234,7 +234,7 @@ def _enters_columns(node: fx.Node, region: str, plan: Any) -> bool:
     gradient is whole on every rank) rules it out."""
     users = [u for u in node.users if _inside(u, region)]
     return bool(users) and all(
-        (mp := plan.modules.get(innermost_module(u))) is not None and mp.copy_inputs for u in users)
+        (mp := plan.modules.get(innermost_module(u))) is not None and mp.enters for u in users)
 
 
 def _leaving_row(node: fx.Node, plan: Any) -> str | None:
@@ -242,7 +242,7 @@ def _leaving_row(node: fx.Node, plan: Any) -> str | None:
     leave with a reduce-scatter instead of an all-reduce and a split)."""
     m = innermost_module(node)
     mp = plan.modules.get(m)
-    if mp is None or not mp.reduce_output or any(_inside(u, m) for u in node.users):
+    if mp is None or not mp.reduces or any(_inside(u, m) for u in node.users):
         return None
     return m
 

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from .modules import ModulePlan
 
 __all__ = [
     "PLAN_VERSION", "ExpertsPlan", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs",
     "runs_to_index", "select_rows",
 ]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: module plans are typed ops (1: booleans, still read)
 
 
 class Role(str, enum.Enum):
@@ -104,22 +106,6 @@ class ParamPlan:
 
 
 @dataclass(kw_only=True)
-class ModulePlan:
-    """Collectives around one module's forward."""
-
-    fqn: str
-    copy_inputs: bool = False  # identity forward, all-reduce of input grads backward
-    reduce_output: bool = False  # all-reduce of the partial-sum output
-    gather_output: bool = False  # all-gather of vocab-sharded logits
-    vocab_parallel: bool = False  # masked embedding lookup
-    vocab_size: int | None = None  # real (unpadded) rows, for masking/unpadding
-    # parameter names local to the module, like ``grad_allreduce``
-    row_biases: list[str] = field(default_factory=list)  # added once, after the reduce
-    grad_allreduce: list[str] = field(default_factory=list)
-    attr_fixups: dict[str, list[int]] = field(default_factory=dict)  # attr -> [global, local]
-
-
-@dataclass(kw_only=True)
 class ExpertsPlan:
     """One stacked-experts module found from the dataflow (``tpcompile.plan.experts``).
 
@@ -165,25 +151,39 @@ class Plan:
         return {k: v.role.value for k, v in self.params.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for p in d["params"].values():
-            p["role"] = Role(p["role"]).value
-        return d
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        if d.get("version") != PLAN_VERSION:
-            raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
+        version = d.get("version")
+        if version not in (1, PLAN_VERSION):
+            raise ValueError(f"plan version {version} is not supported (expected {PLAN_VERSION}, or 1)")
         params = {k: ParamPlan(**{**v, "role": Role(v["role"])}) for k, v in d["params"].items()}
-        modules = {k: ModulePlan(**v) for k, v in d["modules"].items()}
+        read = ModulePlan.from_flags if version == 1 else ModulePlan.from_dict
+        modules = {k: read(v) for k, v in d["modules"].items()}
         experts = {k: ExpertsPlan(**v) for k, v in d.get("experts", {}).items()}
         # "cost" (dump-plan's derived section, tpcompile.tools.cost) is recomputed, not stored
-        rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost", "experts")}
+        rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost", "experts", "version")}
         return cls(params=params, modules=modules, experts=experts, **rest)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-ready data: typed entries through their own ``to_dict``."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

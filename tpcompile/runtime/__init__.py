@@ -1,9 +1,9 @@
 """The runtime stage: applying a plan to a model and running it.
 
 * :mod:`~tpcompile.runtime.apply` shards parameters and installs the backend's hooks
-  (:mod:`~tpcompile.runtime.backend`: the protocol; the torch/DTensor and Transformer
-  Engine backends; :mod:`~tpcompile.runtime.collectives` and
-  :mod:`~tpcompile.runtime.comm`: what the hooks communicate);
+  (:mod:`~tpcompile.runtime.backend`: the protocol; the torch/DTensor backend installs
+  one handler per :mod:`~tpcompile.plan.modules` op type; :mod:`~tpcompile.runtime.comm`:
+  the differentiable collectives);
 * :mod:`~tpcompile.runtime.loss` (vocab-parallel cross-entropy),
   :mod:`~tpcompile.runtime.sequence` (sequence-parallel hooks),
   :mod:`~tpcompile.runtime.experts` (expert-parallel dispatch),

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import apply_fixups, localize_embedding
-from ..plan.types import ModulePlan, Plan
+from ..plan.modules import ModulePlan, VocabEmbedding
+from ..plan.types import Plan
 from .state_dict import install_state_dict_hooks
 
 __all__ = ["apply_plan"]
@@ -51,13 +52,12 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
                 swaps[am].append(ap)
         del old
     by_alias = {alias: pp for pp in plan.params.values() for alias in [pp.fqn, *pp.tied_to]}
-    hooked = [m for m, mp in plan.modules.items()
-              if mp.copy_inputs or mp.reduce_output or mp.grad_allreduce or mp.gather_output]
+    hooked = [m for m, mp in plan.modules.items() if mp.hooked]
     for mname in dict.fromkeys([*swaps, *hooked]):
         names = swaps.get(mname, [])
         mp = plan.modules.get(mname) or ModulePlan(fqn=mname)
         vocab_range = None
-        if mp.vocab_parallel:
+        if mp.op(VocabEmbedding) is not None:
             emb = next(by_alias[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in by_alias)
             runs = emb.runs[backend.rank]
             vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])

@@ -30,11 +30,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..plan.types import ModulePlan, ParamPlan, select_rows
+from ..plan.modules import (
+    EnterRegion,
+    GatherOutput,
+    GradSum,
+    ModulePlan,
+    ReduceOutput,
+    VocabEmbedding,
+)
+from ..plan.types import ParamPlan, select_rows
 from . import comm
-from .collectives import Hook, module_collectives
 
-__all__ = ["TorchBackend"]
+__all__ = ["HANDLERS", "OpHooks", "TorchBackend", "handler_for"]
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -123,7 +130,7 @@ class TorchBackend:
         )
         return nn.Parameter(dt, requires_grad=requires_grad)
 
-    # ---- hooks --------------------------------------------------------------------
+    # ---- hooks ----------------------------------------------------------------------
     def install(
         self,
         module: nn.Module,
@@ -132,27 +139,22 @@ class TorchBackend:
         vocab_range: tuple[int, int] | None,
         replicas: dict[str, ParamPlan] | None = None,
     ) -> None:
-        """Wrap ``module``'s forward with the collectives ``mplan`` asks for.
+        """Wrap ``module``'s forward with the collectives ``mplan.ops`` list, one handler
+        per op type (:data:`HANDLERS`), in the plan's hook order.
 
         ``swaps`` names the DTensor parameters used locally; ``replicas`` those whose
         rows several ranks hold (replicated KV heads): their gradients are summed over
         the copies so every copy takes the same optimizer step.
         """
-        group = self.group
         replicas = replicas or {}
-        # the one description of what this module communicates (the cost model reads it too)
-        issued = module_collectives(mplan, replicas)
-        hooks = {c.hook for c in issued}
-        replica_index = {
-            c.param: (torch.as_tensor(replicas[c.param].index()[self.rank]),
-                      replicas[c.param].global_shape[replicas[c.param].shard_dim], replicas[c.param].shard_dim)
-            for c in issued if c.hook is Hook.REPLICA_SUM
-        }
-        grad_names = {c.param for c in issued if c.hook is Hook.GRAD_SUM}
-        enter, exit_reduce, exit_gather = Hook.ENTER in hooks, Hook.EXIT_REDUCE in hooks, Hook.EXIT_GATHER in hooks
-        if (vocab_range is not None) != (Hook.EMBED_REDUCE in hooks):
+        if (vocab_range is not None) != (mplan.op(VocabEmbedding) is not None):
             raise ValueError(f"{mplan.fqn}: a vocab range is given exactly for vocab-parallel embeddings")
-        row_biases = mplan.row_biases
+        handlers = [handler_for(op)(self, op, vocab_range) for op in mplan.ops]
+        replica_index = {
+            name: (torch.as_tensor(pp.index()[self.rank]), pp.global_shape[pp.shard_dim], pp.shard_dim)
+            for name, pp in replicas.items()
+        }
+        group = self.group
         state: dict[str, Any] = {}
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -165,63 +167,21 @@ class TorchBackend:
                 if name in replica_index:
                     local = _ReplicaGradSum.apply(local, *replica_index[name], group)
                 mod._parameters[name] = local
-            for name in grad_names:
-                p = mod._parameters[name]
-                saved.setdefault(name, p)
-                mod._parameters[name] = comm.all_reduce_grad(mod._parameters[name], group)
-            for name in row_biases:
-                p = mod._parameters[name]
-                saved.setdefault(name, p)
-                # the bias is added once, after the all-reduce (post hook)
-                mod._parameters[name] = torch.zeros_like(_local(p))
+            for h in handlers:
+                h.swap(mod, saved)
             # FSDP1 (use_orig_params) also sets its unsharded views as plain instance
             # attributes, which attribute lookup finds before _parameters: swap those too
             shadowed = {n: mod.__dict__[n] for n in saved if n in mod.__dict__}
             for n in shadowed:
                 mod.__dict__[n] = mod._parameters[n]
             state["shadowed"] = shadowed
-            if enter:
-                args, kwargs = _map_tensors(args, self.copy_in), _map_tensors(kwargs, self.copy_in)
-            if vocab_range is not None:
-                start, end = vocab_range
-                ids = args[0] if args else kwargs["input"]
-                mask = (ids < start) | (ids >= end)
-                local_ids = (ids - start).masked_fill(mask, 0)
-                state["mask"] = mask
-                if args:
-                    args = (local_ids, *args[1:])
-                else:
-                    kwargs = {**kwargs, "input": local_ids}
+            for h in handlers:
+                args, kwargs = h.pre(args, kwargs, state)
             return args, kwargs
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            saved = state.get("saved", {})
-            if vocab_range is not None:
-                mask = state.pop("mask")
-                out = out.masked_fill(mask.unsqueeze(-1), 0)
-                return comm.reduce_from_tp(out, group)
-            if exit_reduce:
-                leave = self.exit_reducers.get(id(mod))
-                split = []
-
-                def reduce(t: torch.Tensor) -> torch.Tensor:
-                    if not t.is_floating_point():
-                        return t
-                    left = leave(t) if leave is not None else None
-                    split.append(left is not None)
-                    return left if left is not None else comm.reduce_from_tp(t, group)
-                out = _map_tensors(out, reduce)
-                for name in row_biases:
-                    bias = _local(saved[name])
-                    # added to this rank's tokens only: its gradient sums the group's
-                    out = out + (comm.all_reduce_grad(bias, group) if any(split) else bias)
-            if exit_gather:
-                def gather(t: torch.Tensor) -> torch.Tensor:
-                    full = comm.gather_from_tp(t, group, dim=-1)
-                    full = full[..., : mplan.vocab_size] if mplan.vocab_size else full
-                    self._gathered = (full, t)  # lets the model's loss use the local shard
-                    return full
-                out = _map_tensors(out, gather)
+            for h in handlers:
+                out = h.post(mod, out, state)
             return out
 
         def restore(mod: nn.Module, args: tuple, out: Any) -> None:
@@ -235,6 +195,109 @@ class TorchBackend:
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True)
         module.register_forward_hook(restore, always_call=True)  # after post: it reads "saved"
+
+
+# ---------------------------------------------------------------- one handler per op type
+
+
+class OpHooks:
+    """What one :class:`~tpcompile.plan.modules.ModuleOp` does around a module's forward:
+    ``swap`` (parameters, before the forward), ``pre`` (inputs), ``post`` (outputs)."""
+
+    def __init__(self, backend: TorchBackend, op: Any, vocab_range: tuple[int, int] | None) -> None:
+        self.backend, self.op, self.group, self.vocab_range = backend, op, backend.group, vocab_range
+
+    def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
+        return None
+
+    def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        return out
+
+
+class _GradSumHooks(OpHooks):
+    def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
+        for name in self.op.params:
+            saved.setdefault(name, mod._parameters[name])
+            mod._parameters[name] = comm.all_reduce_grad(mod._parameters[name], self.group)
+
+
+class _EnterHooks(OpHooks):
+    def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
+        copy_in = self.backend.copy_in
+        return _map_tensors(args, copy_in), _map_tensors(kwargs, copy_in)
+
+
+class _VocabHooks(OpHooks):
+    def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
+        start, end = self.vocab_range
+        ids = args[0] if args else kwargs["input"]
+        mask = (ids < start) | (ids >= end)
+        local_ids = (ids - start).masked_fill(mask, 0)
+        state["mask"] = mask
+        if args:
+            return (local_ids, *args[1:]), kwargs
+        return args, {**kwargs, "input": local_ids}
+
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        out = out.masked_fill(state.pop("mask").unsqueeze(-1), 0)
+        return comm.reduce_from_tp(out, self.group)
+
+
+class _ReduceHooks(OpHooks):
+    def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
+        for name in self.op.row_biases:
+            saved.setdefault(name, mod._parameters[name])
+            # the bias is added once, after the all-reduce (post)
+            mod._parameters[name] = torch.zeros_like(_local(mod._parameters[name]))
+
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        leave = self.backend.exit_reducers.get(id(mod))
+        split = []
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_floating_point():
+                return t
+            left = leave(t) if leave is not None else None
+            split.append(left is not None)
+            return left if left is not None else comm.reduce_from_tp(t, self.group)
+        out = _map_tensors(out, reduce)
+        saved = state.get("saved", {})
+        for name in self.op.row_biases:
+            bias = _local(saved[name])
+            # added to this rank's tokens only: its gradient sums the group's
+            out = out + (comm.all_reduce_grad(bias, self.group) if any(split) else bias)
+        return out
+
+
+class _GatherHooks(OpHooks):
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        vocab = self.op.vocab_size
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            full = comm.gather_from_tp(t, self.group, dim=-1)
+            full = full[..., :vocab] if vocab else full
+            self.backend._gathered = (full, t)  # lets the model's loss use the local shard
+            return full
+        return _map_tensors(out, gather)
+
+
+# op type -> its handler; a new collective kind is one ModuleOp subclass plus one entry
+HANDLERS: dict[type, type[OpHooks]] = {
+    GradSum: _GradSumHooks, EnterRegion: _EnterHooks, VocabEmbedding: _VocabHooks,
+    ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks,
+}
+
+
+def handler_for(op: Any) -> type[OpHooks]:
+    """The handler of ``op``'s type, looked up along its class hierarchy."""
+    for cls in type(op).__mro__:
+        if cls in HANDLERS:
+            return HANDLERS[cls]
+    raise TypeError(f"the torch backend has no handler for module op {type(op).__name__}; "
+                    f"registered: {sorted(c.__name__ for c in HANDLERS)}")
 
 
 class _ReplicaGradSum(torch.autograd.Function):

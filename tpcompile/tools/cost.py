@@ -4,8 +4,8 @@
 second description of the runtime: every collective is derived from the code path that
 issues it.
 
-* **TP hooks**: :func:`~tpcompile.runtime.collectives.module_collectives` is the list
-  ``TorchBackend.install`` builds its hooks from; each record is bound to the captured
+* **TP hooks**: :meth:`~tpcompile.plan.modules.ModulePlan.collectives` is the list
+  ``TorchBackend.install`` installs one handler per entry of; each record is bound to the captured
   graph to size its tensor. ``copy_to_tp`` sharing follows ``TorchBackend.copy_in``'s
   rule statically: consecutive column modules whose input is the *same graph node* (the
   same tensor object at runtime: q|k|v, gate|up) enter the TP region once, so one
@@ -45,8 +45,8 @@ from torch import nn
 
 from ..capture import Capture, capture
 from ..errors import TPError
-from ..plan.types import ModulePlan, ParamPlan, Plan, Role
-from ..runtime.collectives import Hook, module_collectives
+from ..plan.modules import Hook, ModulePlan
+from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
 
 __all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "human_bytes", "render_modules", "render_summary",
@@ -187,7 +187,7 @@ def _head_module(plan: Plan) -> str | None:
     if head is None:
         return None
     owners = [head.module, *(t.rpartition(".")[0] for t in head.tied_to)]
-    return next((m for m in owners if m in plan.modules and plan.modules[m].copy_inputs), head.module)
+    return next((m for m in owners if m in plan.modules and plan.modules[m].enters), head.module)
 
 
 def _gathered_per_token(node: fx.Node, plan: Plan, fqn: str, tokens: int) -> Fraction:
@@ -222,7 +222,7 @@ def trace_collectives(model: nn.Module, plan: Plan, cap: Capture | None = None) 
         mplan = plan.modules.get(call.fqn) or ModulePlan(fqn=call.fqn)
         expanded = cap.stacks.expand(call.fqn)
         blocks, label = len(expanded), _label(expanded)
-        for c in module_collectives(mplan, _replicas(plan, call.fqn)):
+        for c in mplan.collectives(_replicas(plan, call.fqn)):
             base = dict(source=call.fqn, phase=c.phase, op=c.op, group="tp", label=label)
             if c.hook is Hook.ENTER:
                 for node in call.inputs:

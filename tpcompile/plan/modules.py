@@ -1,0 +1,269 @@
+"""Module plans: the collectives around one module's forward, one typed entry per kind.
+
+A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
+
+    EnterRegion()                      identity forward, all-reduce of the input grads
+    VocabEmbedding(vocab_size=V)       masked lookup of this rank's rows, all-reduce
+    ReduceOutput(row_biases=["bias"])  all-reduce of the partial sum, bias added once after
+    GatherOutput(vocab_size=V)         all-gather of the vocab-sharded logits (unpadded to V)
+    GradSum(params=["weight"])         all-reduce of a replicated parameter's gradient
+
+``dump-plan`` prints these objects, the cost model prices :meth:`ModulePlan.collectives`
+and the runtime installs one handler per op type
+(:class:`~tpcompile.runtime.torch_backend.TorchBackend`), so what is read, priced and
+run is one list.  Each :class:`Collective` names its hook site:
+
+==================  ========  ==========  ================================================
+hook                phase     op          tensor each rank passes in
+==================  ========  ==========  ================================================
+``ENTER``           backward  all_reduce  gradient of each floating input that requires
+                                          grad (column modules reading the same input
+                                          share one)
+``EMBED_REDUCE``    forward   all_reduce  the masked embedding output
+``EXIT_REDUCE``     forward   all_reduce  each floating output (row-parallel partial sum)
+``EXIT_GATHER``     forward   all_gather  the vocab-sharded logits (local shard)
+``GRAD_SUM``        backward  all_reduce  the replicated parameter's gradient
+``REPLICA_SUM``     backward  all_reduce  the KV-replica parameter's gradient over its
+                                          global rows
+==================  ========  ==========  ================================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from ..errors import TPError
+
+__all__ = [
+    "Collective", "EnterRegion", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
+    "VocabEmbedding",
+]
+
+
+class Hook(str, enum.Enum):
+    """Where around a module's forward a collective is hooked."""
+
+    ENTER = "enter"  # copy_to_tp on the inputs: identity forward, all-reduce of grads
+    EMBED_REDUCE = "embed_reduce"  # masked vocab-parallel lookup, then reduce_from_tp
+    EXIT_REDUCE = "exit_reduce"  # reduce_from_tp of the partial-sum output
+    EXIT_GATHER = "exit_gather"  # gather_from_tp of the vocab-sharded logits
+    GRAD_SUM = "grad_sum"  # all_reduce_grad of a replicated parameter on sharded features
+    REPLICA_SUM = "replica_sum"  # the gradient sum over the copies of a KV-replicated parameter
+
+
+_PHASE_OP = {
+    Hook.ENTER: ("backward", "all_reduce"),
+    Hook.EMBED_REDUCE: ("forward", "all_reduce"),
+    Hook.EXIT_REDUCE: ("forward", "all_reduce"),
+    Hook.EXIT_GATHER: ("forward", "all_gather"),
+    Hook.GRAD_SUM: ("backward", "all_reduce"),
+    Hook.REPLICA_SUM: ("backward", "all_reduce"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective a module's hooks issue per call of the module (``tp > 1``).
+
+    ``op`` is the ``torch.distributed`` function called over the TP group; ``param`` the
+    module-local parameter name for the gradient sums.
+    """
+
+    hook: Hook
+    param: str | None = None
+
+    @property
+    def phase(self) -> str:
+        return _PHASE_OP[self.hook][0]
+
+    @property
+    def op(self) -> str:
+        return _PHASE_OP[self.hook][1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleOp:
+    """One collective kind around a module; subclasses carry its data."""
+
+    kind: ClassVar[str] = ""
+    order: ClassVar[int] = 0  # hook order: gradient sums, then inputs, then outputs
+
+    def collectives(self) -> list[Collective]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {"kind": self.kind, **fields}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradSum(ModuleOp):
+    """Replicated parameters applied to sharded features (Qwen3's ``q_norm``): each
+    rank's gradient is partial, so it is all-reduced over the TP group."""
+
+    kind: ClassVar[str] = "grad_sum"
+    order: ClassVar[int] = 0
+    params: tuple[str, ...] = ()  # names local to the module
+
+    def collectives(self) -> list[Collective]:
+        return [Collective(hook=Hook.GRAD_SUM, param=n) for n in self.params]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnterRegion(ModuleOp):
+    """A column-parallel module's inputs enter the TP region: ``Y_r = X · W_r``; the
+    input gradient is all-reduced (once for consecutive columns reading one input)."""
+
+    kind: ClassVar[str] = "enter"
+    order: ClassVar[int] = 1
+
+    def collectives(self) -> list[Collective]:
+        return [Collective(hook=Hook.ENTER)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabEmbedding(ModuleOp):
+    """Vocab-parallel embedding: ids outside this rank's rows read row 0 and are zeroed,
+    then the outputs are all-reduced."""
+
+    kind: ClassVar[str] = "vocab_embedding"
+    order: ClassVar[int] = 2
+    vocab_size: int | None = None  # real (unpadded) rows
+
+    def collectives(self) -> list[Collective]:
+        return [Collective(hook=Hook.EMBED_REDUCE)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReduceOutput(ModuleOp):
+    """Row-parallel: ``Y = Σ_r X_r · W_r`` all-reduced; the biases are added once, after."""
+
+    kind: ClassVar[str] = "reduce_output"
+    order: ClassVar[int] = 2
+    row_biases: tuple[str, ...] = ()  # names local to the module
+
+    def collectives(self) -> list[Collective]:
+        return [Collective(hook=Hook.EXIT_REDUCE)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherOutput(ModuleOp):
+    """The LM head's vocab-sharded logits are all-gathered (and unpadded) for the caller."""
+
+    kind: ClassVar[str] = "gather_output"
+    order: ClassVar[int] = 3
+    vocab_size: int | None = None
+
+    def collectives(self) -> list[Collective]:
+        return [Collective(hook=Hook.EXIT_GATHER)]
+
+
+OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,
+                                                            GatherOutput)}
+
+
+@dataclass(kw_only=True)
+class ModulePlan:
+    """The collectives around one module's forward, and its attribute fix-ups.
+
+    Example:
+        >>> mp = ModulePlan(fqn="model.layers.0.self_attn.o_proj", ops=[ReduceOutput()])
+        >>> [(c.phase, c.op) for c in mp.collectives()]
+        [('forward', 'all_reduce')]
+    """
+
+    fqn: str
+    ops: list[ModuleOp] = field(default_factory=list)
+    attr_fixups: dict[str, list[int]] = field(default_factory=dict)  # attr -> [global, local]
+
+    def __post_init__(self) -> None:
+        kinds = [op.kind for op in self.ops]
+        if len(set(kinds)) != len(kinds):
+            raise TPError(f"module plan {self.fqn}: each op kind at most once, got {kinds}")
+        if {"vocab_embedding", "reduce_output"} <= set(kinds) or {"vocab_embedding", "gather_output"} <= set(kinds):
+            raise TPError(f"module plan {self.fqn}: a vocab-parallel embedding reduces its own output ({kinds})")
+        self.ops = sorted(self.ops, key=lambda op: op.order)
+
+    def op(self, kind: type[ModuleOp]) -> ModuleOp | None:
+        """This module's op of type ``kind``, if it has one."""
+        return next((op for op in self.ops if isinstance(op, kind)), None)
+
+    def add(self, op: ModuleOp) -> None:
+        """Add ``op``, merging a :class:`GradSum` / :class:`ReduceOutput` of the same kind."""
+        old = self.op(type(op))
+        if old is not None:
+            self.ops.remove(old)
+            if isinstance(op, GradSum):
+                op = GradSum(params=(*old.params, *op.params))
+            elif isinstance(op, ReduceOutput):
+                op = ReduceOutput(row_biases=(*old.row_biases, *op.row_biases))
+        self.ops = sorted([*self.ops, op], key=lambda o: o.order)
+
+    def collectives(self, replicas: Iterable[str] = ()) -> list[Collective]:
+        """The collectives one call issues, in hook order; ``replicas`` are the module-local
+        names of parameters whose rows several ranks hold (``layout == "kv_replicated"``)."""
+        out = [Collective(hook=Hook.REPLICA_SUM, param=n) for n in sorted(set(replicas))]
+        for op in self.ops:
+            out += op.collectives()
+        return out
+
+    # -- queries the analysis stages read (derived from ``ops``, never stored) --------
+    @property
+    def hooked(self) -> bool:
+        return bool(self.ops)
+
+    @property
+    def enters(self) -> bool:
+        return self.op(EnterRegion) is not None
+
+    @property
+    def reduces(self) -> bool:
+        return self.op(ReduceOutput) is not None
+
+    @property
+    def gathers(self) -> bool:
+        return self.op(GatherOutput) is not None
+
+    @property
+    def row_biases(self) -> tuple[str, ...]:
+        op = self.op(ReduceOutput)
+        return op.row_biases if op is not None else ()
+
+    @property
+    def grad_params(self) -> tuple[str, ...]:
+        op = self.op(GradSum)
+        return op.params if op is not None else ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "ops": [op.to_dict() for op in self.ops], "attr_fixups": dict(self.attr_fixups)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModulePlan:
+        ops = []
+        for entry in d.get("ops", []):
+            entry = dict(entry)
+            kind = entry.pop("kind", None)
+            if kind not in OP_KINDS:
+                raise TPError(f"module plan {d.get('fqn')!r}: unknown op kind {kind!r}; known: {sorted(OP_KINDS)}")
+            ops.append(OP_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}))
+        return cls(fqn=d["fqn"], ops=ops, attr_fixups=dict(d.get("attr_fixups", {})))
+
+    @classmethod
+    def from_flags(cls, d: dict[str, Any]) -> ModulePlan:
+        """A version-1 plan's module entry (a set of booleans) as typed ops."""
+        ops: list[ModuleOp] = []
+        if d.get("grad_allreduce"):
+            ops.append(GradSum(params=tuple(d["grad_allreduce"])))
+        if d.get("copy_inputs"):
+            ops.append(EnterRegion())
+        if d.get("vocab_parallel"):
+            ops.append(VocabEmbedding(vocab_size=d.get("vocab_size")))
+        else:
+            if d.get("reduce_output"):
+                ops.append(ReduceOutput(row_biases=tuple(d.get("row_biases", ()))))
+            if d.get("gather_output"):
+                ops.append(GatherOutput(vocab_size=d.get("vocab_size")))
+        return cls(fqn=d["fqn"], ops=ops, attr_fixups=dict(d.get("attr_fixups", {})))
