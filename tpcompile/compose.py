@@ -11,7 +11,7 @@ Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps
     6. activations  checkpoint / offload per block (inside FSDP, outside TP)
     7. fsdp         FSDP2 units: each block, then the root
     8. materialise  a meta model's shards: init / rank 0's weights / an HF checkpoint
-    9. mark         the attributes the HF Trainer and accelerate read
+    9. mark         the attributes the HF Trainer and accelerate read; the tree guard
 
 The order is torchtitan's: TP's hooks end up innermost and FSDP2's outermost, and every
 step after 1 reads only the plan and the meshes of :class:`~tpcompile.runtime.mesh.ParallelDims`.
@@ -36,6 +36,7 @@ from .runtime import activations
 from .runtime.apply import apply_plan
 from .runtime.experts import shard_experts
 from .runtime.fsdp import fully_shard_model
+from .runtime.guard import watch_tree
 from .runtime.loss import install_local_loss, install_loss_parallel
 from .runtime.markers import mark_model
 from .runtime.materialize import Materializer
@@ -151,8 +152,10 @@ def materialise(job: Job) -> None:
 
 
 def mark(job: Job) -> None:
-    """9. What the HF Trainer / accelerate read to leave the model's parallelism alone."""
+    """9. What the HF Trainer / accelerate read to leave the model's parallelism alone,
+    and the guard that refuses modules added after planning (runtime/guard.py)."""
     mark_model(job.model)
+    watch_tree(job.model)
 
 
 # The fixed order. Context parallelism (step 4) slots in between sp and ep.
