@@ -48,12 +48,14 @@ def _partial_result(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]
 
 
 def _param_through(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]) -> ParamRef | None:
-    """Elementwise math on one parameter and scalars (Mamba's ``-exp(A_log)``) is still
-    that parameter, entry for entry: it may be sliced like the parameter itself."""
-    refs = [an.val(a) for a in args if isinstance(an.val(a), ParamRef)]
-    if len(refs) != 1 or refs[0].is_buffer:
+    """Elementwise math on one parameter and scalars (Mamba's ``-exp(A_log)``, xIELU's
+    ``beta + softplus(alpha_n)`` with a 0-d buffer) is still that parameter, entry for
+    entry: it may be sliced like the parameter itself, and a use that broadcasts it over
+    sharded features gives it a partial gradient like the parameter's own."""
+    refs = [an.val(a) for a in args if isinstance(an.val(a), ParamRef) and not an.val(a).is_buffer]
+    if len(refs) != 1:
         return None
-    others = [a for a in args if not isinstance(an.val(a), ParamRef)]
+    others = [a for a in args if an.val(a) is not refs[0]]
     if any(int(np.prod(an.shape(a))) > 1 for a in others):
         return None
     ref = refs[0]
@@ -82,8 +84,10 @@ def pointwise(an: Analysis, node: torch.fx.Node) -> object:
         if isinstance(v, Feat):
             continue
         shape = an.shape(a)
-        if int(np.prod(shape)) <= 1:
-            continue
+        if int(np.prod(shape)) <= 1 and not isinstance(v, ParamRef) and a not in an.tainted:
+            continue  # a constant: the same on every rank, no gradient
+        if isinstance(v, ParamRef) and v.is_buffer and int(np.prod(shape)) <= 1:
+            continue  # a scalar buffer: nothing to slice, no gradient
         aligned = (1,) * (nd - len(shape)) + tuple(shape)
         operand = v if isinstance(v, ParamRef) else a
         an.aligned.append(Aligned(node, operand, out, aligned, a in an.tainted))

@@ -2,9 +2,10 @@
 
 Each builder gives the family's real structure at CPU size: encoder-decoder (T5), vision
 encoder (ViT), state-space (Mamba), multi-head latent attention with MoE (DeepSeek-V3),
-and Phi-3 with grouped KV heads (two attributes of the same global value that map to
-different local values at tp=2).  Models are returned in eval mode: dropout off, so
-the tensor-parallel copy and the reference see the same function.
+Phi-3 with grouped KV heads (two attributes of the same global value that map to
+different local values at tp=2), and Apertus (learnable scalars inside its activation).
+Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
+reference see the same function.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3"}
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -45,6 +46,11 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=16, v_head_dim=16, vocab_size=256, max_position_embeddings=128,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "apertus":  # xIELU: learnable [1] scalars broadcast over the sharded MLP features
+        return hf.ApertusForCausalLM, hf.ApertusConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

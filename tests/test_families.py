@@ -30,6 +30,7 @@ CASES_TP2 = [
     ("vit", "sdpa"), ("vit", "eager"),
     ("mamba", None),
     ("deepseek_v3", "sdpa"), ("deepseek_v3", "eager"),
+    ("apertus", "sdpa"), ("apertus", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3"}  # save_pretrained -> from_pretrained checked
 
