@@ -3,7 +3,8 @@
 Each builder gives the family's real structure at CPU size: encoder-decoder (T5), vision
 encoder (ViT), state-space (Mamba), multi-head latent attention with MoE (DeepSeek-V3),
 Phi-3 with grouped KV heads (two attributes of the same global value that map to
-different local values at tp=2), and Apertus (learnable scalars inside its activation).
+different local values at tp=2), Apertus (learnable scalars inside its activation) and
+BART (a bias buffer added to the logits after the LM head).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -16,7 +17,7 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus"}
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -51,6 +52,12 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, **kw)
+    if name == "bart":  # final_logits_bias [1, vocab]: a buffer added to the LM head's logits
+        return hf.BartForConditionalGeneration, hf.BartConfig(
+            d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=2, forced_eos_token_id=None, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

@@ -31,8 +31,9 @@ CASES_TP2 = [
     ("mamba", None),
     ("deepseek_v3", "sdpa"), ("deepseek_v3", "eager"),
     ("apertus", "sdpa"), ("apertus", "eager"),
+    ("bart", "sdpa"), ("bart", "eager"),
 ]
-SAVED = {"t5", "mamba", "deepseek_v3", "phi3"}  # save_pretrained -> from_pretrained checked
+SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
 
 def _main(out: object) -> torch.Tensor:

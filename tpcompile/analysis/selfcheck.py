@@ -9,9 +9,11 @@ the same inputs, and compares each op's output shape with the prediction.
 
 Every rank holds the same local shapes (layouts are dealt evenly; padding keeps a
 non-divisible vocabulary even), so rank 0's shadow stands for all of them.  Collectives
-do not change shapes (an all-reduce keeps its input's; the logit gather comes after the
-last traced op that the prediction covers), so the shadow runs without them and needs
-no process group.
+do not change shapes (an all-reduce keeps its input's), so the shadow runs without them
+and needs no process group — except the LM head's logit gather: unless the logits stay
+vocab-sharded (loss-parallel), the shadow's heads return full-width logits, as the
+runtime's do, and what the model computes from them after the head (BART's
+``final_logits_bias``, Gemma-2's soft-capping) runs on whole, replicated values.
 
 The same check resolves hard-coded sizes the graph leaves ambiguous: when one global
 value maps to several local values in a module (``num_key_value_heads`` 2 → 1 and
@@ -36,7 +38,7 @@ from torch import nn
 
 from ..errors import TPError
 from .fixups import Local, apply_fixups, localize_embedding, quiet_traces
-from .propagate import innermost_module
+from .propagate import innermost_module, module_path
 from .roles import Analyzed
 from .state import Feat
 
@@ -124,8 +126,41 @@ def _model_frame(err: BaseException) -> str:
     return ""
 
 
-def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph) -> list[Mismatch]:
+def _after_heads(a: Analyzed, graph: fx.Graph) -> set[fx.Node]:
+    """Nodes fed by an LM head's output outside the head: gathered logits and what is
+    computed from them (replicated at runtime)."""
+    heads = set(a.lm_head.values())
+
+    def inside(node: fx.Node) -> bool:
+        return any(h in module_path(node) for h in heads)
+
+    frontier = [u for n in graph.nodes if n.op == "call_function" and inside(n) for u in n.users
+                if not inside(u)]
+    seen: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node not in seen and node.op == "call_function":
+            seen.add(node)
+            frontier.extend(node.users)
+    return seen
+
+
+def _gather_heads(shadow: nn.Module, a: Analyzed, expand: Callable[[str], list[str]]) -> None:
+    """The runtime's logit gather, shape for shape: each head returns all ``tp`` shards,
+    unpadded to the vocabulary."""
+    mods = dict(shadow.named_modules())
+    tp = a.part.tp
+    for fqn, module in a.lm_head.items():
+        vocab = int(a.layouts[fqn].size)
+        for full in expand(module):
+            if full in mods:
+                mods[full].register_forward_hook(
+                    lambda m, args, out, _v=vocab: torch.cat([out] * tp, dim=-1)[..., :_v])
+
+
+def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph, gathered: bool = False) -> list[Mismatch]:
     loc = Local(a)
+    whole = _after_heads(a, predicted) if gathered else set()
     want = [n for n in predicted.nodes if n.op == "call_function"]
     got = [n for n in local.nodes if n.op == "call_function"]
     # the local code may take a slightly different path (a layout copy the global shapes
@@ -137,7 +172,7 @@ def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph) -> list[Mismatch
              for i in range(b.size)]
     out: list[Mismatch] = []
     for w, g in pairs:
-        if not isinstance(a.an.value.get(w), Feat):
+        if not isinstance(a.an.value.get(w), Feat) or w in whole:
             continue
         gv = g.meta.get("val")
         if not isinstance(gv, torch.Tensor) or gv.dim() != a.an.ndim(w):
@@ -161,10 +196,14 @@ def check_local(
     trace: Callable[[nn.Module], fx.Graph],
     expand: Callable[[str], list[str]],
     representative: Callable[[str], str],
+    gathered: bool = False,
 ) -> list[Mismatch]:
     """Trace rank 0's localized shadow of ``model`` with ``fixups`` applied; return every
-    op whose local shape disagrees with the analysis (empty: the plan is consistent)."""
+    op whose local shape disagrees with the analysis (empty: the plan is consistent).
+    ``gathered``: the LM heads' logits are gathered after the head (not loss-parallel)."""
     shadow = _shadow(model, _local_shapes(model, a, representative))
+    if gathered:
+        _gather_heads(shadow, a, expand)
     mods = dict(shadow.named_modules())
     for fqn, users in a.embedding.items():  # the rewrite's own bookkeeping, rank 0's rows
         lay = a.layouts[fqn]
@@ -188,7 +227,7 @@ def check_local(
                 line = _model_frame(cause)
                 detail = f"{first}" + (f" (at {line})" if line else "")
                 return [Mismatch(where, "", (), None, detail)]
-    return _compare(a, graph, local)
+    return _compare(a, graph, local, gathered)
 
 
 def resolve_fixups(
