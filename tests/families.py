@@ -4,7 +4,8 @@ Each builder gives the family's real structure at CPU size: encoder-decoder (T5)
 encoder (ViT), state-space (Mamba), multi-head latent attention with MoE (DeepSeek-V3),
 Phi-3 with grouped KV heads (two attributes of the same global value that map to
 different local values at tp=2), Apertus (learnable scalars inside its activation) and
-BART (a bias buffer added to the logits after the LM head).
+BART (a bias buffer added to the logits after the LM head) and CLIP (two towers, two
+required inputs).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -58,6 +59,14 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             decoder_start_token_id=2, forced_eos_token_id=None, **kw)
+    if name == "clip":  # two towers: input_ids and pixel_values both required
+        return hf.CLIPModel, hf.CLIPConfig(
+            text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=256, max_position_embeddings=32, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=0, **kw),
+            vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, image_size=32, patch_size=8, **kw),
+            projection_dim=32, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

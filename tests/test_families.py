@@ -11,10 +11,12 @@ one launch.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import pytest
 import torch
+import transformers as hf
 from dist import global_step, run_distributed
 from families import GENERATES, build
 from test_transform import grad_errors
@@ -32,12 +34,13 @@ CASES_TP2 = [
     ("deepseek_v3", "sdpa"), ("deepseek_v3", "eager"),
     ("apertus", "sdpa"), ("apertus", "eager"),
     ("bart", "sdpa"), ("bart", "eager"),
+    ("clip", "sdpa"), ("clip", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
 
 def _main(out: object) -> torch.Tensor:
-    for key in ("logits", "last_hidden_state"):
+    for key in ("logits", "last_hidden_state", "logits_per_image"):
         value = getattr(out, key, None)
         if value is not None:
             return value
@@ -53,6 +56,8 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
     ref = build(name, attn)
     model = copy.deepcopy(ref)
     inputs = example_inputs(ref, batch=2, seq=9, generator=torch.Generator().manual_seed(1), labels=True)
+    if "return_loss" in inspect.signature(ref.forward).parameters:  # CLIP's contrastive loss
+        inputs["return_loss"] = True
     out_ref = ref(**inputs)
     _loss(out_ref).backward()
     tpcompile.transform(model, tp=world)
@@ -130,10 +135,23 @@ def test_state_space_and_mla_train_under_fsdp2_times_tp() -> None:
 
 def test_example_inputs_come_from_the_model() -> None:
     shapes = {name: {k: tuple(v.shape) for k, v in example_inputs(build(name, meta=True)).items()}
-              for name in ("t5", "vit", "mamba")}
+              for name in ("t5", "vit", "mamba", "clip")}
     assert shapes["t5"] == {"input_ids": (1, 7), "decoder_input_ids": (1, 7)}
     assert shapes["vit"] == {"pixel_values": (1, 3, 32, 32)}
     assert shapes["mamba"] == {"input_ids": (1, 7)}
+    assert shapes["clip"] == {"input_ids": (1, 7), "pixel_values": (1, 3, 32, 32)}  # both towers
+
+
+def test_a_vision_language_model_is_not_taken_for_two_towers() -> None:
+    # pixels spliced into the text at image tokens: pixel_values alone would not fit
+    cfg = hf.LlavaConfig(text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=1, num_attention_heads=4, vocab_size=256),
+                         vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8),
+                         image_token_index=3)
+    with torch.device("meta"):
+        model = hf.LlavaForConditionalGeneration(cfg)
+    assert set(example_inputs(model)) == {"input_ids"}
 
 
 def test_plans_read_the_structure() -> None:

@@ -6,8 +6,10 @@ Text decoders take ``input_ids``; a ViT takes ``pixel_values``, Whisper
 Nothing here knows a family by name: the main input comes from
 ``model.main_input_name`` (every ``PreTrainedModel`` declares it), its shape from the
 config's sizes (image size and channels, mel bins and source positions, the vocabulary),
-and extra required arguments from the forward signature.  A model this cannot serve
-gets a :class:`TPError` asking for ``example_inputs=``.
+and extra required arguments from the forward signature.  A dual-tower model (CLIP,
+SigLIP: one sub-config per modality, no placeholder token that splices one modality into
+the other's sequence) needs every modality its forward takes, so each is built too.  A
+model this cannot serve gets a :class:`TPError` asking for ``example_inputs=``.
 """
 
 from __future__ import annotations
@@ -99,6 +101,23 @@ def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype
     )
 
 
+_MODALITY_INPUTS = ("input_ids", "pixel_values", "input_features", "input_values")
+_TOWER_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config")
+# a config naming one of these splices that modality into the text sequence (a VLM): its
+# forward takes pixels only together with matching placeholder tokens
+_SPLICE_TOKENS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                  "audio_token_id", "audio_token_index")
+
+
+def _tower_inputs(config: Any, params: Any, main: str) -> list[str]:
+    """The other modality inputs a dual-tower model needs beside ``main``."""
+    if any(getattr(config, t, None) is not None for t in _SPLICE_TOKENS):
+        return []
+    if sum(getattr(config, s, None) is not None for s in _TOWER_CONFIGS) < 2:
+        return []
+    return [n for n in _MODALITY_INPUTS if n != main and n in params]
+
+
 def _prod(values: Any) -> int:
     out = 1
     for v in values:
@@ -149,6 +168,11 @@ def example_inputs(
             raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
         return {next(iter(params), "input_ids"): _token_ids(config, batch, seq, device, generator)}
     out = {name: _main_input(name, config, batch, seq, dtype, device, generator)}
+    for other in _tower_inputs(config, params, name):
+        try:
+            out[other] = _main_input(other, config, batch, seq, dtype, device, generator)
+        except TPError:  # nothing in the config sizes it: the capture error will say so
+            continue
     if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
         start = getattr(config, "decoder_start_token_id", None)
         ids = _token_ids(config, batch, seq, device, generator)
