@@ -8,7 +8,7 @@ baseline of the ratio column) and ``transform(model, tp=tp, sequence_parallel=Tr
   labels, parameters excluded: an outermost ``saved_tensors_hooks`` counts each saved
   storage once, and forward pre/post hooks on every module say which module was running
   when it was saved (the innermost one). A save is *in regions* under an attention or
-  MLP module (``plan.sequence["regions"]``), *between regions* under a decoder layer
+  MLP module (``plan.sequence.regions``), *between regions* under a decoder layer
   but outside its regions (norms, residual adds: what SP splits by tokens), and *outside
   layers* otherwise (embedding, final norm, LM head, loss: the stream is whole there).
 * **Step time** — forward with labels + backward + AdamW, the two models stepped
@@ -176,7 +176,7 @@ def _bench(rank: int, spec: Spec, tp: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
     ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=torch.Generator().manual_seed(1))
     models = {m: _build(spec, tp, m == "sp on") for m in MODES}
-    regions = sorted(models["sp on"].tpcompile_plan.sequence.get("regions", {}))
+    regions = sorted(models["sp on"].tpcompile_plan.sequence.regions)
     if not regions:
         raise RuntimeError("sequence_parallel=True planned no regions: " + "; ".join(
             models["sp on"].tpcompile_plan.warnings))

@@ -58,7 +58,7 @@ def _compare(model: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor, tp
         else 0.0,
         "loss": abs(out.loss.item() - out_ref.loss.item()),
         "grad": max(errs.items(), key=lambda kv: kv[1]),
-        "regions": len(model.tpcompile_plan.sequence["regions"]),
+        "regions": len(model.tpcompile_plan.sequence.regions),
     }
 
 
@@ -119,7 +119,7 @@ def _fsdp_case(rank: int, kwargs: dict) -> list[float]:
 
     model = build_llama()
     tpcompile.parallelize(model, sequence_parallel=True, **kwargs)
-    assert model.tpcompile_plan.sequence["regions"]
+    assert model.tpcompile_plan.sequence.regions
     return _train(model)
 
 
@@ -179,7 +179,7 @@ def test_sequence_parallel_tp4_exact() -> None:
 def test_plan_names_regions_and_stream() -> None:
     model = _build("llama", "sdpa")
     plan = tpcompile.plan_model(model, 2, sequence_parallel=True)
-    seq = plan.sequence
+    seq = plan.sequence.to_dict()  # the JSON form dump-plan prints
     assert seq["stacks"]["model.layers"]["first"] == "model.layers.0"
     assert set(seq["regions"]) == {f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn", "mlp")}
     # the rotary tables and the mask reach attention whole: only the normed stream is gathered
@@ -189,13 +189,13 @@ def test_plan_names_regions_and_stream() -> None:
     assert attn["gather"] == [[["kwargs", "hidden_states"], 1, True]]
     assert attn["split"] == [[[0], 1, "model.layers.1.self_attn.o_proj"]]
     assert seq["grad_sum"]["model.layers.0.input_layernorm"]["params"] == ["weight"]
-    assert tpcompile.Plan.from_json(plan.to_json()).sequence == seq
+    assert tpcompile.Plan.from_json(plan.to_json()).sequence == plan.sequence
 
 
 def test_plan_moe_router_reads_the_whole_input() -> None:
     """Mixtral's MoE layer is one region (router + experts); its router reads the
     gathered input directly, so that input keeps the columns' own backward all-reduce."""
-    seq = tpcompile.plan_model(_build("mixtral", "sdpa"), 2, sequence_parallel=True).sequence
+    seq = tpcompile.plan_model(_build("mixtral", "sdpa"), 2, sequence_parallel=True).sequence.to_dict()
     moe = seq["regions"]["model.layers.0.mlp"]
     assert moe["gather"] == [[["args", 0], 1, False]]
     assert seq["regions"]["model.layers.0.self_attn"]["gather"][0][2] is True
@@ -214,7 +214,7 @@ def test_token_mixing_code_between_regions_keeps_the_stream_whole() -> None:
 
         layer.forward = forward.__get__(layer)
     plan = tpcompile.plan_model(model, 2, sequence_parallel=True)
-    assert plan.sequence["stacks"] == {}
+    assert plan.sequence.stacks == {}
     assert any("cumsum" in w and "model.layers" in w for w in plan.warnings), plan.warnings
 
 
@@ -230,5 +230,5 @@ def test_nothing_between_regions_keeps_the_stream_whole() -> None:
     """BERT keeps each norm and residual add inside its attention / output modules:
     splitting its stream would only add collectives, so the plan keeps it whole."""
     plan = tpcompile.plan_model(_build("bert", "eager"), 2, sequence_parallel=True)
-    assert plan.sequence["stacks"] == {}
+    assert plan.sequence.stacks == {}
     assert any("no token-local work" in w for w in plan.warnings), plan.warnings

@@ -32,7 +32,7 @@ PUBLIC = {
                              "save_pretrained"],
     "tpcompile.integrations": ["STATE_DIR", "TPTrainerCallback", "data_mesh", "prepare"],
     "tpcompile.tools": ["WorkerFailed", "estimate_cost", "free_port", "shrink_config", "spawn_local", "verify"],
-    "tpcompile.rules": ["Rule", "RuleSet", "default_rules", "rule"],
+    "tpcompile.rules": ["Mixes", "Rule", "RuleSet", "TokenRule", "Tokens", "default_rules", "rule", "token_rule"],
     "tpcompile.config": [
         "ACCELERATE_KEYS", "SMP_KEYS", "CheckpointKind", "NoEffect", "Only", "ParallelConfig", "Sets",
         "Sharding", "mixed_precision_policy", "resolve_config",
@@ -51,8 +51,10 @@ def test_public_api_names_are_frozen(module: str) -> None:
 def test_rules_ship_inside_the_package() -> None:
     import tpcompile.rules
 
-    names = {r.name for r in tpcompile.rules.default_rules()}
+    names = {r.name for r in tpcompile.rules.default_rules() if isinstance(r, tpcompile.rules.Rule)}
     assert {"linear", "sdpa", "embedding", "view", "elementwise", "softmax"} <= names
+    tokens = {r.name for r in tpcompile.rules.default_rules() if isinstance(r, tpcompile.rules.TokenRule)}
+    assert {"pointwise_tokens", "view_tokens", "reduce_tokens", "norm_tokens", "matmul_tokens"} <= tokens
 
 
 # Every module of the package sits at one stage; a module may import only from its own

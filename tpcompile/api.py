@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .analysis.propagate import Rule
+from .analysis.tokens import TokenRule
 from .checkpoint.hf import load_hf_weights
 from .checkpoint.pretrained import CheckpointLoader, check_checkpoint_dir, materialize_buffers
 from .checkpoint.pretrained import model_class as default_model_class
@@ -42,7 +43,7 @@ def transform(
     mesh: DeviceMesh | None = None,
     backend: str = "auto",
     loss_parallel: bool = False,
-    rules: Iterable[Rule] | None = None,
+    rules: Iterable[Rule | TokenRule] | None = None,
     overrides: dict[str, str] | None = None,
     strict: bool = True,
     load_state_dict_from_rank0: bool = False,
@@ -67,7 +68,8 @@ def transform(
             Engine, GPU).
         loss_parallel: keep logits vocab-sharded and compute the LM loss with a
             vocab-parallel cross-entropy (no full-logit gather).
-        rules: extra propagation rules (see ``tpcompile.rules``).
+        rules: extra propagation rules (see ``tpcompile.rules``): feature rules, and token
+            rules for ``sequence_parallel``.
         overrides: ``{fqn or "re:<regex>": "replicated"}`` to keep parameters replicated.
         strict: raise on ops no rule can place; ``False`` replicates them with a warning.
         load_state_dict_from_rank0: rank 0 holds the real weights, the other ranks may

@@ -34,6 +34,7 @@ from .state import (
     ReducePoint,
     RowUse,
 )
+from .tokens import TokenRule
 
 __all__ = ["Analysis", "Rule", "RuleSet", "place_atoms", "rule", "slice_indices"]
 
@@ -82,14 +83,18 @@ def rule(*ops: Any) -> Callable[[RuleFn], Rule]:
 
 @dataclass
 class RuleSet:
-    """Op → rule lookup. Later registrations (user rules) override earlier ones."""
+    """Op → rule lookup, one table per kind: feature rules (:class:`Rule`, this
+    analysis) and token rules (:class:`~tpcompile.analysis.tokens.TokenRule`, sequence
+    parallelism). Later registrations (user rules) override earlier ones of their kind."""
 
     by_op: dict[Any, Rule] = field(default_factory=dict)
+    tokens: dict[Any, TokenRule] = field(default_factory=dict)
 
-    def add(self, rules: Iterable[Rule]) -> RuleSet:
+    def add(self, rules: Iterable[Rule | TokenRule]) -> RuleSet:
         for r in rules:
+            table: dict[Any, Any] = self.tokens if isinstance(r, TokenRule) else self.by_op
             for op in r.ops:
-                self.by_op[op] = r
+                table[op] = r
         return self
 
     def find(self, target: Any) -> Rule | None:
@@ -97,6 +102,15 @@ class RuleSet:
         if hit is None and hasattr(target, "overloadpacket"):
             hit = self.by_op.get(target.overloadpacket)
         return hit
+
+    def find_tokens(self, target: Any) -> TokenRule | None:
+        """The token rule for ``target``: its overload's, its packet's, else one for a
+        ``torch.Tag`` it carries (``None``: the op mixes tokens)."""
+        for key in (target, getattr(target, "overloadpacket", None), *getattr(target, "tags", ())):
+            hit = self.tokens.get(key) if key is not None else None
+            if hit is not None:
+                return hit
+        return None
 
 
 def innermost_module(node: fx.Node) -> str:

@@ -32,6 +32,7 @@ from ..analysis.selfcheck import (
     resolve_fixups,
 )
 from ..analysis.state import Feat, Partial
+from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
 from ..errors import TPError
 from .experts import expert_plans
@@ -51,7 +52,7 @@ __all__ = ["build_plan", "plan_model"]
 _SELF_CHECK_RETRIES = 4  # strict=False: modules replicated one by one until the check passes
 
 
-def _ruleset(rules: Iterable[Rule] | None) -> RuleSet:
+def _ruleset(rules: Iterable[Rule | TokenRule] | None) -> RuleSet:
     from tpcompile.rules import default_rules
 
     return RuleSet().add(default_rules()).add(rules or [])
@@ -62,7 +63,7 @@ def plan_model(
     tp: int,
     *,
     loss_parallel: bool = False,
-    rules: Iterable[Rule] | None = None,
+    rules: Iterable[Rule | TokenRule] | None = None,
     overrides: dict[str, str] | None = None,
     strict: bool = True,
     example_inputs: dict[str, Any] | None = None,
@@ -77,7 +78,9 @@ def plan_model(
     (:func:`tpcompile.capture.example_inputs`).  The stacked-experts modules of a MoE
     model are recorded in ``plan.experts`` whatever ``ep``; with ``ep > 1`` (expert
     parallelism, applied by :func:`tpcompile.parallelize`) the expert count must divide
-    by it and the attributes holding it are found.
+    by it and the attributes holding it are found.  ``rules`` extend the built-in ones
+    (:mod:`tpcompile.rules`), later wins: feature rules steer the analysis, token rules
+    which code ``sequence_parallel`` may run on a slice of the tokens.
 
     Example:
         >>> with torch.device("meta"):
@@ -107,7 +110,7 @@ def plan_model(
             cap = capture(model, example_kwargs=example_inputs, cut_stacks=False)
             a = run(cap)
         try:
-            fixups = _local_fixups(model, cap, a, tp, example_inputs) if tp > 1 else {}
+            fixups = _local_fixups(model, cap, a, tp, example_inputs, gathered=not loss_parallel) if tp > 1 else {}
             break
         except SelfCheckError as err:
             # non-strict: the module the localized model failed in stays replicated
@@ -124,7 +127,7 @@ def plan_model(
     if sequence_parallel and tp > 1:
         from .sequence import plan_sequence
 
-        plan.sequence = plan_sequence(model, plan)
+        plan.sequence = plan_sequence(model, plan, _ruleset(rules))
     plan.stats = {
         "capture_s": round(t1 - t0, 4),
         "analysis_s": round(time.perf_counter() - t1, 4),
@@ -159,7 +162,7 @@ def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
 
 
 def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
-                  example_inputs: dict[str, Any] | None) -> dict[str, dict[str, list[int]]]:
+                  example_inputs: dict[str, Any] | None, *, gathered: bool) -> dict[str, dict[str, list[int]]]:
     """Hard-coded sizes made rank-local, proven by tracing rank 0's localized model.
 
     Candidates whose local value does not change the traced graph are dropped; sizes
@@ -179,7 +182,7 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
 
     def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
         return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
-                           representative=cap.stacks.representative)
+                           representative=cap.stacks.representative, gathered=gathered)
 
     problems = check(fixups)
     if problems and ambiguous:  # only then: keep the attributes the forward turns into a shape

@@ -19,14 +19,17 @@ shrink by ``tp``. What is split is derived from the dataflow, per block of each 
 * where only column modules read a region's input, and where a row module's output is
   the region's output, the collectives become Megatron's all-gather / reduce-scatter pair.
 
-The module arguments are located through ``torch.export``'s preserved call signatures.
-The result is the plan's ``sequence`` section (JSON); the hooks that run it live in
-:mod:`tpcompile.runtime.sequence`.
+Which ops are token-local is asked of the token rules (:mod:`tpcompile.rules.tokens`, and
+a user's own passed in ``rules=[...]``). The module arguments are located through
+``torch.export``'s preserved call signatures. The result is the plan's ``sequence``
+section, a :class:`~tpcompile.plan.sequence_types.SequencePlan`; the hooks that run it
+live in :mod:`tpcompile.runtime.sequence`.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,16 +37,24 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..analysis.propagate import innermost_module, module_path
+from ..analysis.propagate import RuleSet, innermost_module, module_path
 from ..analysis.tokens import Mixes, Tokens, propagate_tokens
 from ..capture import Capture, LayerStacks, capture, layer_stacks
+from .sequence_types import (
+    Path,
+    RegionGather,
+    RegionPlan,
+    RegionSplit,
+    SequencePlan,
+    StackPlan,
+    TokenGradSum,
+    TokenSlot,
+)
 
-__all__ = ["plan_sequence"]
+__all__ = ["SequencePlan", "plan_sequence"]
 
 _SEQ = 7  # example tokens: no model dim is 7 (see capture)
 _BATCH = 2  # > 1, so a view that folds batch rows into the tokens shows in the shapes
-
-Path = list[Any]  # ["args", 0] / ["kwargs", "hidden_states", 1] / [] (the value itself)
 
 
 # ---------------------------------------------------------------- planning
@@ -145,7 +156,7 @@ class _Refused(Exception):
 
 
 def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, fx.Node],
-                plan: Any) -> dict[str, Any]:
+                plan: Any, rules: RuleSet) -> dict[str, Any]:
     """Stream path and region boundaries of one representative block; raises _Refused."""
     b_in, b_out = _call_io(cap.signatures[block], names)
     io = {r: _call_io(cap.signatures[r], names) for r in regions}
@@ -178,7 +189,7 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
         if node in region_nodes or node in tags or not _inside(node, block):
             continue
         try:
-            tag = propagate_tokens(node, tags)
+            tag = propagate_tokens(node, tags, rules)
         except Mixes as why:
             raise _Refused(innermost_module(node), str(getattr(node.target, "__name__", node.target)),
                            str(why)) from None
@@ -191,21 +202,24 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
     out_paths = [(p, tags[n]) for p, n in b_out if n in tags]
     if len(out_paths) != 1 or out_paths[0][1].merged:
         raise _Refused(block, "output", "is not one token-split stream")
-    gathers: dict[str, list] = {}
-    splits: dict[str, list] = {}
+    gathers: dict[str, list[RegionGather]] = {}
+    splits: dict[str, list[RegionSplit]] = {}
     for r, (ins, outs) in io.items():
         for path, node in ins:
             tag = tags.get(node)
             if tag is not None:
                 if tag.merged:
                     raise _Refused(r, "input", "gets tokens with batch rows merged")
-                gathers.setdefault(r, []).append([path, tag.dim, _enters_columns(node, r, plan)])
-        splits[r] = [[path, tags[n].dim, _leaving_row(n, plan)] for path, n in outs if n in tags]
+                gathers.setdefault(r, []).append(
+                    RegionGather(path=path, dim=tag.dim, fused=_enters_columns(node, r, plan)))
+        splits[r] = [RegionSplit(path=path, dim=tags[n].dim, row=_leaving_row(n, plan))
+                     for path, n in outs if n in tags]
     # parameters applied to token slices (norm weights): each rank's gradient covers its
     # tokens only, so it is summed over the group
     grad_sum = sorted(_params_feeding([n for n in tags if _inside(n, block) and n not in region_nodes],
                                       tags, cap.param_of_placeholder))
-    return {"stream": [stream[0][0], tags[stream[0][1]].dim], "output": [out_paths[0][0], out_paths[0][1].dim],
+    return {"stream": TokenSlot(path=stream[0][0], dim=tags[stream[0][1]].dim),
+            "output": TokenSlot(path=out_paths[0][0], dim=out_paths[0][1].dim),
             "gather": gathers, "split": splits, "grad_sum": grad_sum}
 
 
@@ -293,13 +307,21 @@ def _block_lists(model: nn.Module, plan: Any) -> LayerStacks:
     return stacks
 
 
-def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
+def plan_sequence(model: nn.Module, plan: Any, rules: RuleSet | None = None) -> SequencePlan:
     """Where the stream is split and gathered, for every block of every stack.
 
-    Returns the plan's ``sequence`` section: ``{"stacks": {stack: {"first", "last",
-    "stream", "output"}}, "regions": {module: {"stack", "gather", "split"}}, "refused":
-    {block: reason}}``; paths name forward arguments (``["kwargs", "hidden_states"]``)."""
+    Returns the plan's ``sequence`` section: per stack its first and last block and
+    the stream's argument and output, per region the arguments gathered and outputs
+    split, per module the parameters whose gradient is summed, and the blocks refused
+    with why; paths name forward arguments (``["kwargs", "hidden_states"]``).
+    ``rules``: the rule set whose token rules decide which ops are token-local (by
+    default the built-in ones, :mod:`tpcompile.rules.tokens`)."""
     from ..capture.inputs import example_inputs
+
+    if rules is None:
+        from tpcompile.rules import default_rules
+
+        rules = RuleSet().add(default_rules())
 
     stacks = _block_lists(model, plan)
     blocks = {f"{stack}.{i}": stack for stack, n in stacks.traced_len.items() for i in range(n)}
@@ -308,7 +330,7 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     regions = {b: _regions(b, plan, rep, modules) for b in blocks}
     children = {b: _called_children(b, modules) for b in blocks if regions[b]}
     preserve = tuple(children) + tuple(c for cs in children.values() for c in cs)
-    out: dict[str, Any] = {"stacks": {}, "regions": {}, "grad_sum": {}, "refused": {}}
+    out = SequencePlan()
     try:
         cap = capture(model, example_kwargs=example_inputs(model, batch=_BATCH, seq=_SEQ, generator=None),
                       preserve=preserve)
@@ -320,43 +342,44 @@ def plan_sequence(model: nn.Module, plan: Any) -> dict[str, Any]:
     per_block: dict[str, dict] = {}
     for b, rs in regions.items():
         if not rs:
-            out["refused"][b] = "no tensor-parallel region" if rs == [] else "tensor-parallel ops in the block's own code"
+            out.refused[b] = "no tensor-parallel region" if rs == [] else "tensor-parallel ops in the block's own code"
             continue
         while b not in per_block:
             try:
-                per_block[b] = _plan_block(b, rs, cap, names, plan)
+                per_block[b] = _plan_block(b, rs, cap, names, plan, rules)
             except _Refused as why:
                 # a child whose code mixes tokens (attention kept replicated) runs whole
                 # too: it becomes a region of its own, exact like any other
                 child = next((c for c in children[b] if why.module == c or why.module.startswith(c + ".")), None)
                 if child is None or child in rs or child not in cap.signatures:
-                    out["refused"][b] = str(why)
+                    out.refused[b] = str(why)
                     break
                 rs = sorted([*rs, child])
             except Exception as err:  # a call shape the planner does not know: stay whole
-                out["refused"][b] = f"not planned ({type(err).__name__}: {err})"
+                out.refused[b] = f"not planned ({type(err).__name__}: {err})"
                 break
     for stack, reps in stacks.members.items():
         if any(f"{stack}.{r}" not in per_block for r in set(reps)):
             continue  # one refused block: the whole stack keeps the stream whole
         first, last = per_block[f"{stack}.{reps[0]}"], per_block[f"{stack}.{reps[-1]}"]
-        out["stacks"][stack] = {"first": f"{stack}.0", "last": f"{stack}.{len(reps) - 1}",
-                                "stream": first["stream"], "output": last["output"]}
+        out.stacks[stack] = StackPlan(first=f"{stack}.0", last=f"{stack}.{len(reps) - 1}",
+                                      stream=first["stream"], output=last["output"])
         for i, r in enumerate(reps):
             pb = per_block[f"{stack}.{r}"]
             for fqn in pb["grad_sum"]:
                 owner, _, leaf = (f"{stack}.{i}" + fqn[len(f"{stack}.{r}"):]).rpartition(".")
-                out["grad_sum"].setdefault(owner, {"stack": stack, "params": []})["params"].append(leaf)
+                out.grad_sum.setdefault(owner, TokenGradSum(stack=stack)).params.append(leaf)
             def here(fqn: str, i: int = i, r: int = r, stack: str = stack) -> str:  # rep -> block i
                 return f"{stack}.{i}" + fqn[len(f"{stack}.{r}"):]
 
             for region in set(pb["gather"]) | set(pb["split"]):
-                out["regions"][here(region)] = {
-                    "stack": stack, "gather": pb["gather"].get(region, []),
-                    "split": [[p, d, here(m) if m else None] for p, d, m in pb["split"].get(region, [])]}
+                out.regions[here(region)] = RegionPlan(
+                    stack=stack, gather=[replace(g, path=list(g.path)) for g in pb["gather"].get(region, [])],
+                    split=[replace(s, path=list(s.path), row=here(s.row) if s.row else None)
+                           for s in pb["split"].get(region, [])])
     warned: set[str] = set()
-    for b, why in out["refused"].items():
-        if blocks[b] in out["stacks"] or blocks[b] in warned:
+    for b, why in out.refused.items():
+        if blocks[b] in out.stacks or blocks[b] in warned:
             continue
         warned.add(blocks[b])  # the first refused block speaks for its stack
         plan.warnings.append(f"sequence parallelism: {blocks[b]} keeps whole sequences ({b}: {why})")

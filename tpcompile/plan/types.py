@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .modules import ModulePlan
+from .sequence_types import SequencePlan
 
 __all__ = [
     "PLAN_VERSION", "ExpertsPlan", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs",
@@ -142,7 +143,7 @@ class Plan:
     ep: int = 1
     # sequence parallelism (tpcompile.plan.sequence.plan_sequence): where the residual stream
     # is split and gathered; ``None``: off
-    sequence: dict[str, Any] | None = None
+    sequence: SequencePlan | None = None
     warnings: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -167,6 +168,8 @@ class Plan:
         experts = {k: ExpertsPlan(**v) for k, v in d.get("experts", {}).items()}
         # "cost" (dump-plan's derived section, tpcompile.tools.cost) is recomputed, not stored
         rest = {k: v for k, v in d.items() if k not in ("params", "modules", "cost", "experts", "version")}
+        if rest.get("sequence") is not None:
+            rest["sequence"] = SequencePlan.from_dict(rest["sequence"])
         return cls(params=params, modules=modules, experts=experts, **rest)
 
     @classmethod

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..plan.sequence import Path
+from ..plan.sequence_types import Path, RegionPlan, SequencePlan, StackPlan, TokenSlot
 from . import comm
 
 __all__ = ["gather_tokens", "install_sequence_parallel", "pad_tokens", "split_tokens"]
@@ -80,21 +80,17 @@ def _set(obj: Any, path: Path, value: Any) -> Any:
     return type(obj)(items) if isinstance(obj, tuple | list) else items
 
 
-def _map_call(args: tuple, kwargs: dict, paths: list, fn: Any) -> tuple[tuple, dict]:
+def _map_call(args: tuple, kwargs: dict, path: Path, dim: int, fn: Any) -> tuple[tuple, dict]:
     call = {"args": args, "kwargs": kwargs}
-    for path, dim in paths:
-        x = _get(call, path)
-        if isinstance(x, torch.Tensor):
-            call = _set(call, path, fn(x, dim))
+    x = _get(call, path)
+    if isinstance(x, torch.Tensor):
+        call = _set(call, path, fn(x, dim))
     return call["args"], call["kwargs"]
 
 
-def _map_out(out: Any, paths: list, fn: Any) -> Any:
-    for path, dim in paths:
-        x = _get(out, path)
-        if isinstance(x, torch.Tensor):
-            out = _set(out, path, fn(x, dim))
-    return out
+def _map_out(out: Any, path: Path, dim: int, fn: Any) -> Any:
+    x = _get(out, path)
+    return _set(out, path, fn(x, dim)) if isinstance(x, torch.Tensor) else out
 
 
 @dataclasses.dataclass
@@ -107,30 +103,33 @@ class _Stream:
     open: bool = False  # split by the first block, not yet gathered by the last
 
 
-def install_sequence_parallel(model: nn.Module, seq: dict[str, Any], backend: Any) -> None:
-    """Hook the splits and gathers of ``seq`` (:func:`plan_sequence`) onto ``model``.
+def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, Any], backend: Any) -> None:
+    """Hook the splits and gathers of ``seq`` (:func:`plan_sequence`; its JSON form is
+    read too) onto ``model``.
 
     Where the plan allows, a region's input enters with :func:`~tpcompile.runtime.comm.enter_tp`
     (its backward reduce-scatter replaces the columns' all-reduce) and a row module's
     partial sum leaves with :func:`~tpcompile.runtime.comm.leave_tp` (a reduce-scatter instead
     of an all-reduce and a split): the same traffic as plain TP."""
+    if isinstance(seq, dict):
+        seq = SequencePlan.from_dict(seq)
     group = backend.group
     fused = hasattr(backend, "mark_entered") and hasattr(backend, "exit_reducers")
     mods = dict(model.named_modules())
-    streams = {stack: _Stream() for stack in seq["stacks"]}
+    streams = {stack: _Stream() for stack in seq.stacks}
     wanted = {"on": True, "depth": 0}
-    _watch_outputs_asked(model, [s.rpartition(".")[0] for s in seq["stacks"]], wanted)
+    _watch_outputs_asked(model, [s.rpartition(".")[0] for s in seq.stacks], wanted)
     _guard_open_streams(model, streams)
-    for stack, spec in seq["stacks"].items():
-        _hook_stack(mods[spec["first"]], mods[spec["last"]], spec, streams[stack], wanted, group)
-    for name, spec in seq.get("grad_sum", {}).items():
-        _sum_grads(mods[name], spec["params"], streams[spec["stack"]], group)
-    for name, spec in seq["regions"].items():
-        st = streams[spec["stack"]]
-        for _path, dim, row in spec["split"]:
-            if row and fused:
-                backend.exit_reducers[id(mods[row])] = _leaver(st, group, dim)
-        _hook_region(mods[name], spec, st, backend if fused else None, group)
+    for stack, spec in seq.stacks.items():
+        _hook_stack(mods[spec.first], mods[spec.last], spec, streams[stack], wanted, group)
+    for name, gs in seq.grad_sum.items():
+        _sum_grads(mods[name], gs.params, streams[gs.stack], group)
+    for name, region in seq.regions.items():
+        st = streams[region.stack]
+        for out in region.split:
+            if out.row and fused:
+                backend.exit_reducers[id(mods[out.row])] = _leaver(st, group, out.dim)
+        _hook_region(mods[name], region, st, backend if fused else None, group)
 
 
 def _watch_outputs_asked(model: nn.Module, stacks: list[str], wanted: dict) -> None:
@@ -173,9 +172,10 @@ def _guard_open_streams(model: nn.Module, streams: dict[str, _Stream]) -> None:
     model.register_forward_hook(post)
 
 
-def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, wanted: dict, group: Any) -> None:
+def _hook_stack(first: nn.Module, last: nn.Module, spec: StackPlan, st: _Stream, wanted: dict, group: Any) -> None:
     """Split the stream entering the stack's first block, gather it leaving the last."""
-    path, dim = spec["stream"]
+    path, dim = spec.stream.path, spec.stream.dim
+    output: TokenSlot = spec.output
 
     def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = _get({"args": args, "kwargs": kwargs}, path)
@@ -183,7 +183,7 @@ def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, want
         if not st.on:
             return args, kwargs
         st.length, st.open = x.shape[dim], True
-        return _map_call(args, kwargs, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+        return _map_call(args, kwargs, path, dim, lambda t, d: split_tokens(t, group, d))
 
     def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         # ``st`` stays as this forward left it (the next forward's first block resets
@@ -191,7 +191,7 @@ def _hook_stack(first: nn.Module, last: nn.Module, spec: dict, st: _Stream, want
         if not st.on:
             return out
         st.open = False
-        return _map_out(out, [spec["output"]], lambda t, d: gather_tokens(t, group, d, st.length))
+        return _map_out(out, output.path, output.dim, lambda t, d: gather_tokens(t, group, d, st.length))
 
     first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
     last.register_forward_hook(last_post, with_kwargs=True)
@@ -207,7 +207,7 @@ def _leaver(st: _Stream, group: Any, dim: int) -> Any:
     return leave
 
 
-def _hook_region(module: nn.Module, spec: dict, st: _Stream, backend: Any, group: Any) -> None:
+def _hook_region(module: nn.Module, spec: RegionPlan, st: _Stream, backend: Any, group: Any) -> None:
     def enter(t: torch.Tensor, dim: int, fuse: bool) -> torch.Tensor:
         n = comm.group_size(group)
         if t.shape[dim] * n != st.length + (-st.length % n):
@@ -224,19 +224,19 @@ def _hook_region(module: nn.Module, spec: dict, st: _Stream, backend: Any, group
         st.left = 0
         if not st.on:
             return args, kwargs
-        for path, dim, fuse in spec["gather"]:
-            args, kwargs = _map_call(args, kwargs, [[path, dim]], lambda t, d, f=fuse: enter(t, d, f))
+        for g in spec.gather:
+            args, kwargs = _map_call(args, kwargs, g.path, g.dim, lambda t, d, f=g.fused: enter(t, d, f))
         return args, kwargs
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         if not st.on:
             return out
-        for path, dim, row in spec["split"]:
-            if row and backend is not None:
+        for s in spec.split:
+            if s.row and backend is not None:
                 if not st.left:  # the plan proved the row output is the region's output
-                    raise RuntimeError(f"sequence parallelism: {row} did not leave its region split")
+                    raise RuntimeError(f"sequence parallelism: {s.row} did not leave its region split")
                 continue
-            out = _map_out(out, [[path, dim]], lambda t, d: split_tokens(t, group, d))
+            out = _map_out(out, s.path, s.dim, lambda t, d: split_tokens(t, group, d))
         return out
 
     # prepend: the tokens are whole before the TP hooks (copy_to_tp) see them

@@ -400,9 +400,10 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
         _inject_fault(model, opts["fault"], rank, world)
     result["warnings"] = list(model.tpcompile_plan.warnings)
     if opts.get("sequence_parallel"):
-        seq = model.tpcompile_plan.sequence or {"stacks": {}, "regions": {}}
-        result["warnings"].append(f"sequence parallelism: {len(seq['regions'])} regions in "
-                                  f"{sorted(seq['stacks']) or 'no stack'}")
+        seq = model.tpcompile_plan.sequence
+        regions, stacks = (seq.regions, seq.stacks) if seq is not None else ({}, {})
+        result["warnings"].append(f"sequence parallelism: {len(regions)} regions in "
+                                  f"{sorted(stacks) or 'no stack'}")
     recorders = [_Recorder(m, names) for m in (model, ref)]
     outs: dict[str, Any] = {}
     for who, m in (("the unsharded model", ref), ("the transformed model", model)):
