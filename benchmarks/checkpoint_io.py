@@ -12,7 +12,6 @@ Competitors alternate within each repeat so drift hits them alike.
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import sys
@@ -23,13 +22,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import free_port, row, section_result, summarize  # noqa: E402
+from common import row, section_result, spawn_ranks, summarize  # noqa: E402
 
 WORLD = 2
 MB = 1024 * 1024
@@ -61,13 +59,11 @@ def _fsynced_save_file(sd: dict[str, torch.Tensor], path: Path) -> None:
     os.close(fd)
 
 
-def _worker(rank: int, port: int, root: str, repeats: int, out: Any) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, root: str, repeats: int) -> dict[str, list[float]] | None:
+    """One rank's timings (rank 0 reports them; the ranks time the same barriers)."""
     import tpcompile
     import tpcompile.checkpoint as ckpt
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=900))
     root = Path(root)
     model = tpcompile.from_pretrained(root / "hf", tp=WORLD)
     sd = tpcompile.hf_state_dict(model)  # rank 0: the tensors raw save_file writes
@@ -94,10 +90,7 @@ def _worker(rank: int, port: int, root: str, repeats: int, out: Any) -> None:
         handle.wait()
         res["async_total"].append(time.perf_counter() - start)
         dist.barrier()
-    if rank == 0:
-        out.put(res)
-    dist.barrier()
-    dist.destroy_process_group()
+    return res if rank == 0 else None
 
 
 def _translate_vs_merge(root: Path, repeats: int) -> tuple[list[float], list[float], str | None]:
@@ -136,10 +129,7 @@ def run(quick: bool) -> dict[str, Any]:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(_config(quick)).save_pretrained(root / "hf")
         weights = sum(f.stat().st_size for f in (root / "hf").glob("*.safetensors"))
-        q = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_worker, args=(free_port(), tmp, repeats, q), nprocs=WORLD, join=True,
-                           start_method="spawn")
-        res = q.get()
+        res = spawn_ranks(_worker, WORLD, (tmp, repeats), timeout_s=3600, collective_timeout_s=900)[0]
         ours_tr, merge, merge_err = _translate_vs_merge(root, repeats)
     mbps = weights / MB
     raw = summarize(res["raw"])["median"]

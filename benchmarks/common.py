@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark sections: statistics, result rows, host info.
+"""Shared helpers of the benchmark sections: statistics, result rows, host info, ranks.
 
 A section returns a plain dict (JSON-serialisable) built with :func:`section_result`;
 each timed quantity is a row built with :func:`row`, so ``run.py`` can render every
@@ -10,19 +10,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
 import platform
-import queue as queue_mod
-import socket
 import statistics
 import sys
-import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["free_port", "host_info", "quiet_stderr", "row", "section_result", "spawn_ranks",
-           "summarize"]
+__all__ = ["host_info", "quiet_stderr", "row", "section_result", "spawn_ranks", "summarize"]
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float | int]:
@@ -100,13 +94,6 @@ def host_info() -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
     """Silence file descriptor 2 (e.g. kineto's C++ line per profiler start/stop)."""
@@ -121,71 +108,23 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _rank_main(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any],
-               args: tuple, results: Any) -> None:
-    """Entry point of one spawned rank: gloo group, one thread, ``fn(rank, *args)``."""
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # `world` processes on few cores: one intra-op thread each
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        # Results travel as pickled bytes: torch's queue reducers would share memory
-        # that dies with this process.
-        results.put((rank, True, pickle.dumps(fn(rank, *args))))
-        dist.barrier()  # no rank tears gloo down while its peer still talks
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _without_world(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(rank, *args)
 
 
 def spawn_ranks(fn: Callable[..., Any], world: int, args: tuple = (), *,
-                timeout_s: float = 600.0) -> dict[int, Any]:
+                timeout_s: float = 600.0, collective_timeout_s: float | None = None) -> dict[int, Any]:
     """Run ``fn(rank, *args)`` on ``world`` fresh gloo processes; ``{rank: return value}``.
 
     ``fn`` must be a module-level function (it is pickled).  A rank that raises, dies
-    or outlives ``timeout_s`` makes this raise ``RuntimeError`` with the cause (the
-    child's traceback), and the other ranks are terminated instead of left hanging.
+    or outlives ``timeout_s`` makes this raise (``tpcompile.tools.launch.WorkerFailed``,
+    a ``RuntimeError``, with the child's traceback), and the other ranks are terminated
+    instead of left hanging.  One collective may take ``collective_timeout_s`` (default
+    half of ``timeout_s``).  Each rank sees torchrun's environment variables.
     """
-    import torch.multiprocessing as mp
+    from tpcompile.tools.launch import spawn_local
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world, port, timeout_s / 2, fn, args, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) < world:
-            try:
-                rank, ok, payload = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {procs.index(dead[0])} died with exit code "
-                                       f"{dead[0].exitcode} before reporting") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{fn.__name__} timed out after {timeout_s:.0f} s "
-                                       f"(results from ranks {sorted(got)})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            got[rank] = pickle.loads(payload)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-    return got
+    values = spawn_local(_without_world, world, fn, *args, timeout=timeout_s, torchrun_env=True,
+                         collective_timeout=timeout_s / 2 if collective_timeout_s is None
+                         else collective_timeout_s)
+    return dict(enumerate(values))

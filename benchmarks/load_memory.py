@@ -15,21 +15,18 @@ resident, and a peak read right after loading would flatter every system.
 
 from __future__ import annotations
 
-import datetime
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import free_port, row, section_result, summarize  # noqa: E402
+from common import row, section_result, spawn_ranks, summarize  # noqa: E402
 
 WORLD = 2
 MB = 1024 * 1024
@@ -74,34 +71,23 @@ def _load(kind: str, path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=WORLD))
 
 
-def _worker(rank: int, world: int, port: int, kind: str, path: str, out: Any) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, kind: str, path: str) -> dict[str, int]:
     import transformers  # noqa: F401  (part of the baseline)
 
     import tpcompile  # noqa: F401
 
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=600))
-    _reset_peak()
+    _reset_peak()  # the baseline includes the (gloo) process group the launcher started
     base = _status("VmRSS")
     model = _load(kind, path)
     loaded = _status("VmRSS")
     with torch.no_grad():
         model(torch.arange(16).view(1, 16))
-    out.put((rank, {"peak": _status("VmHWM") - base, "after_load": loaded - base,
-                    "after_forward": _status("VmRSS") - base}))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    return {"peak": _status("VmHWM") - base, "after_load": loaded - base,
+            "after_forward": _status("VmRSS") - base}
 
 
 def _measure(kind: str, path: str, world: int) -> list[dict[str, int]]:
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, free_port(), kind, path, q), nprocs=world,
-                       join=True, start_method="spawn")
-    got = dict(q.get() for _ in range(world))
+    got = spawn_ranks(_worker, world, (kind, path), timeout_s=1800, collective_timeout_s=600)
     return [got[r] for r in range(world)]
 
 

@@ -36,6 +36,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "checkpoint_io": ("checkpoint_io", "checkpoint save / translate throughput vs disk limit"),
     "moe_ep": ("moe_ep", "MoE training step: expert parallelism vs experts split over tp vs HF EP"),
     "sequence_parallel": ("sequence_parallel", "saved activations and step time, SP off vs on"),
+    "activation_memory": ("activation_memory", "saved activations: plain, checkpointing, offloading, both"),
+    "cost_memory": ("cost_memory", "dump-plan's memory estimate vs a training step's measured peak"),
+    "state_dict_cost": ("state_dict_cost", "time and memory of model.state_dict() at tp=2"),
 }
 
 

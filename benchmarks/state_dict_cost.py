@@ -1,4 +1,4 @@
-"""What ``model.state_dict()`` of a transformed model costs, per rank, at tp=2.
+"""Section ``state_dict_cost``: what ``model.state_dict()`` of a transformed model costs at tp=2.
 
 ``state_dict()`` is honest (every entry's full value is the HF tensor): contiguous and
 replicated parameters are returned as they are, a padded vocabulary as a view, and
@@ -14,6 +14,8 @@ fused ``qkv_proj`` and ``gate_up_proj``, so most of the weights convert):
   to the OS).
 
     python benchmarks/state_dict_cost.py
+
+(``run.py``'s full mode uses the same sizes; ``--quick`` halves width and depth.)
 """
 
 from __future__ import annotations
@@ -31,19 +33,22 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from common import spawn_ranks  # noqa: E402
+from common import row, section_result, spawn_ranks  # noqa: E402
 
 SIZE = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 16,
         "num_key_value_heads": 16, "vocab_size": 32000, "head_dim": 64}
+QUICK_SIZE = {**SIZE, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 8}
+MODELS = ("llama", "phi3")
 
 
-def _build(name: str) -> torch.nn.Module:
+def _build(name: str, size: dict[str, int] = SIZE) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from tpcompile.tools.presets import tiny_config
 
     torch.manual_seed(0)
-    cfg = tiny_config(name, **{k: v for k, v in SIZE.items() if k != "head_dim" or name == "llama"})
+    cfg = tiny_config(name, **{k: v for k, v in size.items() if k != "head_dim" or name == "llama"})
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -104,24 +109,51 @@ def _measure(model: torch.nn.Module) -> dict[str, Any]:
     held = sum(local(v).untyped_storage().nbytes() for v in sd.values()
                if local(v).untyped_storage().data_ptr() not in params)
     total = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
-    return {"median_s": statistics.median(times), "held_mb": held / 2**20, "peak_rss_mb": steady,
+    return {"median_s": statistics.median(times), "times_s": times, "held_mb": held / 2**20, "peak_rss_mb": steady,
             "first_rss_mb": first,
             "params_mb": total / 2**20, "converted": sum(1 for v in sd.values()
                                                          if local(v).untyped_storage().data_ptr() not in params)}
 
 
-def _rank(rank: int, name: str) -> dict[str, Any]:
+def _rank(rank: int, name: str, size: dict[str, int] = SIZE) -> dict[str, Any]:
     import tpcompile
 
-    model = tpcompile.transform(_build(name), tp=2)
+    model = tpcompile.transform(_build(name, size), tp=2)
     return _measure(model)
 
 
+def measure(name: str, size: dict[str, int] = SIZE) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """A plain model's ``_measure`` (this process, one thread) and each tp=2 rank's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like each rank
+    try:
+        plain = _measure(_build(name, size))
+    finally:
+        torch.set_num_threads(threads)
+    return plain, spawn_ranks(_rank, 2, (name, size))
+
+
+def run(quick: bool) -> dict[str, Any]:
+    size = QUICK_SIZE if quick else SIZE
+    rows, notes = [], []
+    for name in MODELS:
+        plain, ranks = measure(name, size)
+        base = plain["median_s"]
+        rows.append(row(f"{name}: plain model, one process", plain["times_s"], baseline=base))
+        rows += [row(f"{name}: tp=2 rank {rank}", r["times_s"], baseline=base,
+                     note=f"held beyond params {r['held_mb']:.0f} MB; peak RSS +{r['peak_rss_mb']:.0f} MB "
+                          f"(first call +{r['first_rss_mb']:.0f} MB)")
+                 for rank, r in sorted(ranks.items())]
+        notes.append(f"{name}: params/rank {ranks[0]['params_mb']:.0f} MB, entries converted (new storage) "
+                     f"{ranks[0]['converted']}")
+    return section_result("model.state_dict() of a transformed model, tp=2", rows,
+                          ratio_of="the plain model's state_dict() of the same family", notes=notes,
+                          config={"size": size})
+
+
 def main() -> None:
-    torch.set_num_threads(1)
-    for name in ("llama", "phi3"):
-        plain = _measure(_build(name))
-        ranks = spawn_ranks(_rank, 2, (name,))
+    for name in MODELS:
+        plain, ranks = measure(name)
         r = ranks[0]
         print(f"{name}: params/rank {r['params_mb']:.0f} MB; state_dict() {r['median_s'] * 1e3:.1f} ms "
               f"(plain model, one process: {plain['median_s'] * 1e3:.2f} ms); converted entries {r['converted']}; "

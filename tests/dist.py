@@ -9,7 +9,9 @@ traceback text: ``AssertionError`` if the child failed an assertion (so pytest
 reports it as a test failure), ``RuntimeError`` otherwise.
 
 ``fn`` and ``args`` are pickled, so ``fn`` must be a module-level function of an
-importable module (e.g. a test module, whose directory is on ``sys.path``).
+importable module (e.g. a test module, whose directory is on ``sys.path``).  The
+processes are launched by the project's one launcher, ``tpcompile.tools.launch``; this
+module adds the tests' import path, their exception types and the case batching below.
 
 ``run_cases(world_size, cases)`` runs many named cases in that one launch (a launch
 costs ~10-20 s of interpreter start-up and imports, usually more than the case itself);
@@ -18,35 +20,22 @@ each test then reads its own case from the result and fails with the case's name
 
 from __future__ import annotations
 
-import datetime
 import os
-import pickle
-import queue as queue_mod
-import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tpcompile.tools.launch import WorkerFailed, free_port, spawn_local
 
 __all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "run_cases", "run_distributed"]
 
 _TESTS_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _TESTS_DIR.parent
-_POLL_SECONDS = 0.2
-
-
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _export_import_path() -> None:
@@ -65,94 +54,6 @@ def _export_import_path() -> None:
             sys.path.insert(0, path)
 
 
-def _child(
-    rank: int,
-    world_size: int,
-    port: int,
-    timeout: float,
-    payload: bytes,
-    results: Any,
-) -> None:
-    """Entry point of each spawned process; reports ``(rank, ok, data)`` on ``results``.
-
-    Results are pickled to bytes with plain ``pickle`` so tensors travel by value:
-    torch's queue reducers would share memory that dies with this process.
-    """
-    torch.set_num_threads(1)  # N processes on few cores: avoid oversubscription
-    try:
-        fn, args = pickle.loads(payload)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, pickle.dumps(value)))
-    except BaseException as exc:  # everything, even KeyboardInterrupt, must reach the parent
-        kind = "assertion" if isinstance(exc, AssertionError) else "error"
-        results.put((rank, False, pickle.dumps((kind, traceback.format_exc()))))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _stop(procs: list[BaseProcess]) -> None:
-    """Terminate and reap the processes this helper started that are still alive."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-
-
-def _raise_child_failure(rank: int, kind: str, text: str) -> None:
-    message = f"rank {rank} failed:\n{text}"
-    if kind == "assertion":
-        raise AssertionError(message)
-    raise RuntimeError(message)
-
-
-def _poll(results: Any) -> tuple[int, bool, bytes] | None:
-    """Next report from a child, or ``None`` if none arrived within the poll interval."""
-    try:
-        return results.get(timeout=_POLL_SECONDS)
-    except queue_mod.Empty:
-        return None
-
-
-def _check_progress(
-    procs: list[BaseProcess], reported: set[int], deadline: float, timeout: float
-) -> None:
-    """Raise if a rank died without reporting, or if the run is past its deadline."""
-    crashed = {r: p.exitcode for r, p in enumerate(procs) if r not in reported and p.exitcode}
-    if crashed:
-        raise RuntimeError(f"ranks died without reporting (rank: exit code) {crashed}")
-    if time.monotonic() > deadline:
-        pending = sorted(set(range(len(procs))) - reported)
-        raise TimeoutError(f"ranks {pending} did not finish within {timeout:.0f} s")
-
-
-def _collect(procs: list[BaseProcess], results: Any, world_size: int, timeout: float) -> list[Any]:
-    """Wait for one report per rank; fail fast on the first error, crash or timeout."""
-    deadline = time.monotonic() + timeout
-    values: dict[int, Any] = {}
-    while len(values) < world_size:
-        report = _poll(results)
-        if report is None:
-            _check_progress(procs, set(values), deadline, timeout)
-            continue
-        rank, ok, data = report
-        if not ok:
-            _raise_child_failure(rank, *pickle.loads(data))
-        values[rank] = pickle.loads(data)
-    return [values[r] for r in range(world_size)]
-
-
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
 ) -> list[Any]:
@@ -166,28 +67,14 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _export_import_path()
-    payload = pickle.dumps((fn, args))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs: list[BaseProcess] = []
     try:
-        for rank in range(world_size):
-            proc = ctx.Process(
-                target=_child,
-                args=(rank, world_size, port, timeout, payload, results),
-                daemon=True,
-            )
-            proc.start()
-            procs.append(proc)
-        values = _collect(procs, results, world_size, timeout)
-        for proc in procs:
-            proc.join(timeout=30)
-        return values
-    finally:
-        _stop(procs)
-        results.close()
-        results.join_thread()
+        return spawn_local(fn, world_size, *args, timeout=timeout)
+    except WorkerFailed as exc:  # a failed assert stays a test failure, a timeout a timeout
+        if exc.kind == "assertion":
+            raise AssertionError(str(exc)) from None
+        if exc.kind == "timeout":
+            raise TimeoutError(str(exc)) from None
+        raise
 
 
 def _run_case(rank: int, world_size: int, case: tuple) -> tuple[bool, Any]:
@@ -268,11 +155,6 @@ def run_cases(
                 assert got == want
     """
     return CaseResults(run_distributed(_cases_child, world_size, cases, timeout=timeout))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for subprocess jobs)."""
-    return _free_port()
 
 
 def kill_at_marker(args: list[str], marker: str = "MID-SAVE") -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,21 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tpcompile.tools.launch import free_port
+
 REL = 1e-5
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 STEP_RE = re.compile(r"^step\s+(\d+) \| loss ([0-9.]+)", re.MULTILINE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(tmp: Path, steps: int, ckpt: str, out: str, log_json: str | None = None) -> tuple[dict[int, float], str]:
     """Run the example on 2 CPU processes; the losses rank 0 logged, and its stdout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(SCRIPT), "--steps", str(steps),
+           "--master-port", str(free_port()), str(SCRIPT), "--steps", str(steps),
            "--save-every", "2", "--batch", "4", "--seq", "32",
            "--ckpt-dir", str(tmp / ckpt), "--out-dir", str(tmp / out)]
     if log_json:

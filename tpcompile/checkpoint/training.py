@@ -23,7 +23,6 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from ..runtime.shards import (
 )
 from . import hf
 from .atomic import distributed_atomic_dir
+from .background import BackgroundSaves, SaveHandle
 from .safetensors_io import SliceReader, StreamWriter, read_header
 
 __all__ = ["KINDS", "SaveHandle", "latest", "load", "save"]
@@ -57,23 +57,7 @@ LOCAL_FORMAT = "tpcompile-local"
 OPTIM_FILE = "optimizer.safetensors"
 
 
-class SaveHandle:
-    """A save in flight (or done).  ``wait()`` returns the path or raises its error."""
-
-    def __init__(self, path: Path, future: Future | None = None) -> None:
-        self.path = path
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def wait(self, timeout: float | None = None) -> Path:
-        if self._future is not None:
-            self._future.result(timeout)
-        return self.path
-
-
-_pending: SaveHandle | None = None
+_saves = BackgroundSaves("tpcompile-checkpoint")  # at most one in flight: save() waits first
 _ckpt_group: Any = None
 
 
@@ -490,12 +474,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         >>> ...  # train on
         >>> h.wait()
     """
-    global _pending
     if kind not in KINDS:
         raise TPError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
-    if _pending is not None:  # one save at a time; a failed one surfaces here
-        previous, _pending = _pending, None
-        previous.wait()
+    _saves.finish()  # one save at a time; a failed one surfaces here
     root = Path(path)
     final = root / f"step-{step:08d}" if step is not None else root
     if kind == "full":
@@ -520,18 +501,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         job(None)
         return SaveHandle(final)
     group = _background_group() if world()[1] > 1 else None
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            job(group)
-            future.set_result(final)
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="tpcompile-checkpoint", daemon=True).start()
-    _pending = SaveHandle(final, future)
-    return _pending
+    return _saves.start(final, lambda: job(group))
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:

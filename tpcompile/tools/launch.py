@@ -1,14 +1,21 @@
 """Run a function on N local CPU processes joined by a gloo process group.
 
-Shared by the CLI's ``demo`` and ``verify``: both check a transformed model against a
-single-process copy on a laptop, without torchrun.
+The project's one launcher: the CLI's ``demo`` and ``verify`` (both check a transformed
+model against a single-process copy on a laptop, without torchrun), the test harness
+and the benchmarks all spawn their ranks with :func:`spawn_local`.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import pickle
+import queue as queue_mod
 import socket
+import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -17,10 +24,25 @@ import torch.distributed as dist
 __all__ = ["WorkerFailed", "free_port", "spawn_local"]
 
 _COLLECTIVE_TIMEOUT_S = 300
+_POLL_S = 0.2
 
 
 class WorkerFailed(RuntimeError):
-    """A spawned rank raised or died; the message carries its traceback or exit code."""
+    """A spawned rank raised, died or ran out of time.
+
+    ``rank`` is the (lowest) failing rank, or ``None`` if the launch as a whole timed out;
+    ``kind`` is ``"assertion"`` (the rank failed an ``assert``), ``"error"`` (it raised
+    anything else), ``"died"`` (it exited without reporting) or ``"timeout"``;
+    ``traceback`` is the rank's traceback text ("" unless it raised).  The message names
+    the rank and carries the traceback.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, kind: str = "error",
+                 traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.kind = kind
+        self.traceback = traceback
 
 
 def free_port() -> int:
@@ -30,12 +52,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
+def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float | None = None,
+                collective_timeout: float | None = None, torchrun_env: bool = False) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned gloo ranks; return the
     per-rank results in rank order.
 
     ``fn`` must be a module-level function (it is pickled into fresh interpreters) and
-    return picklable values.  Raises :class:`WorkerFailed` if any rank raises or dies.
+    return picklable values (they travel pickled, so tensors arrive by value).  The first
+    rank to raise or die makes this raise :class:`WorkerFailed`; the other ranks are then
+    terminated rather than left blocked in a collective.
+
+    Args:
+        timeout: seconds the whole launch may take (``None``: no limit).
+        collective_timeout: gloo's timeout of one collective; defaults to ``timeout``, or
+            300 s without one.
+        torchrun_env: set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+            ``MASTER_PORT`` in each rank, as torchrun does (for code that reads them).
 
     Example:
         >>> spawn_local(my_module.check, 2, "llama")     # doctest: +SKIP
@@ -43,29 +75,86 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
     """
     import torch.multiprocessing as mp
 
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if collective_timeout is None:
+        collective_timeout = timeout if timeout is not None else _COLLECTIVE_TIMEOUT_S
+    payload = pickle.dumps((fn, args))  # a pickling error surfaces here, in the caller
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     port = free_port()
+    procs: list[BaseProcess] = []
     try:
-        mp.start_processes(_worker, args=(nprocs, port, fn, args, results), nprocs=nprocs,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException as exc:
-        raise WorkerFailed(f"a worker failed:\n{exc}") from None
-    except mp.ProcessExitedException as exc:
-        raise WorkerFailed(f"a worker died: {exc}") from None
-    values = dict(results.get() for _ in range(nprocs))
-    return [values[r] for r in range(nprocs)]
-
-
-def _worker(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: tuple,
-            results: Any) -> None:
-    """One spawned rank: join the group, run ``fn``, report ``(rank, value)``."""
-    torch.set_num_threads(1)  # nprocs processes share few cores; avoid oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=nprocs,
-                            timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
-    try:
-        results.put((rank, fn(rank, nprocs, *args)))
-        dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
+        for rank in range(nprocs):
+            proc = ctx.Process(target=_child, daemon=True,
+                               args=(rank, nprocs, port, collective_timeout, torchrun_env, payload, results))
+            proc.start()
+            procs.append(proc)
+        values = _collect(procs, results, timeout)
+        for proc in procs:
+            proc.join(timeout=30)
+        return values
     finally:
-        dist.destroy_process_group()
+        _stop(procs)
+        results.close()
+        results.join_thread()
+
+
+def _child(rank: int, nprocs: int, port: int, collective_timeout: float, torchrun_env: bool,
+           payload: bytes, results: Any) -> None:
+    """One spawned rank: join the group, run ``fn``, report ``(rank, ok, pickled data)``."""
+    torch.set_num_threads(1)  # nprocs processes share few cores; avoid oversubscription
+    reported = False
+    try:
+        fn, args = pickle.loads(payload)
+        if torchrun_env:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=nprocs, timeout=datetime.timedelta(seconds=collective_timeout))
+        results.put((rank, True, pickle.dumps(fn(rank, nprocs, *args))))
+        reported = True
+        dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
+    except BaseException as exc:  # everything, even KeyboardInterrupt, must reach the parent
+        if not reported:  # (a failed barrier after the report changes no result)
+            kind = "assertion" if isinstance(exc, AssertionError) else "error"
+            results.put((rank, False, pickle.dumps((kind, traceback.format_exc()))))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(procs: list[BaseProcess], results: Any, timeout: float | None) -> list[Any]:
+    """One report per rank, in rank order; fail fast on the first error, crash or timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    while len(values) < len(procs):
+        try:
+            rank, ok, data = results.get(timeout=_POLL_S)
+        except queue_mod.Empty:
+            crashed = {r: p.exitcode for r, p in enumerate(procs) if r not in values and p.exitcode}
+            if crashed:
+                raise WorkerFailed(f"ranks died without reporting (rank: exit code) {crashed}",
+                                   rank=min(crashed), kind="died") from None
+            if deadline is not None and time.monotonic() > deadline:
+                pending = sorted(set(range(len(procs))) - set(values))
+                raise WorkerFailed(f"ranks {pending} did not finish within {timeout:.0f} s",
+                                   kind="timeout") from None
+            continue
+        if not ok:
+            kind, text = pickle.loads(data)
+            raise WorkerFailed(f"rank {rank} failed:\n{text}", rank=rank, kind=kind, traceback=text)
+        values[rank] = pickle.loads(data)
+    return [values[r] for r in range(len(procs))]
+
+
+def _stop(procs: list[BaseProcess]) -> None:
+    """Terminate and reap the processes this launch started that are still alive."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

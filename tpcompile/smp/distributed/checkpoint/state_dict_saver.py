@@ -11,15 +11,13 @@ original). Like every tpcompile save it is atomic: the files go to a hidden
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ....checkpoint.atomic import distributed_atomic_dir
-from ....checkpoint.training import SaveHandle
+from ....checkpoint.background import BackgroundSaves, SaveHandle
 from ....errors import TPError
 from ...utils.process_group_utils import get_global_ranks
 from .state_dict_utils import LocalStateDict
@@ -28,7 +26,7 @@ __all__ = ["LAYOUT_FILE", "async_save", "maybe_finalize_async_calls", "save"]
 
 LAYOUT_FILE = "tpcompile-smp.json"  # the layouts of SM_LOCAL state dicts, checked on load
 
-_pending: list[SaveHandle] = []
+_saves = BackgroundSaves("tpcompile-smp-checkpoint")
 _twins: dict[tuple[int, ...], Any] = {}
 
 
@@ -124,25 +122,10 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: Any = None, storage_wr
     layouts = _layouts(state_dict)
     staged = _stage(state_dict)
     group = _twin(ranks)
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            _write(staged, layouts, path, group, len(ranks))
-            future.set_result(path)
-        except BaseException as err:  # noqa: BLE001 - handed to whoever finalizes
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="tpcompile-smp-checkpoint", daemon=True).start()
-    handle = SaveHandle(path, future)
-    _pending.append(handle)
-    return handle
+    return _saves.start(path, lambda: _write(staged, layouts, path, group, len(ranks)))
 
 
 def maybe_finalize_async_calls(blocking: bool = True, process_group: Any = None) -> list[Path]:
     """Finish the saves in flight: wait for all (``blocking``) or collect those done.
     Returns the finished checkpoint paths; a failed save re-raises its error here."""
-    done = [h for h in _pending if blocking or h.done()]
-    for h in done:
-        _pending.remove(h)
-    return [h.wait() for h in done]
+    return _saves.finish(blocking)
