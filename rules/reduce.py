@@ -87,6 +87,19 @@ def softmax(an: Analysis, node: torch.fx.Node) -> object:
     return Feat(atoms)
 
 
+@rule(aten.tril, aten.triu)
+def triangle(an: Analysis, node: torch.fx.Node) -> object:
+    """A triangular mask over the last two dims (a chunked linear attention's causal
+    mask): an entry's fate depends on its position in both, so features there are tied;
+    features on the other dims (heads) pass through."""
+    atoms = an.input_atoms(node)
+    if atoms is None:
+        return None
+    nd = atoms.ndim
+    an.union_along(atoms, [nd - 2, nd - 1])
+    return Feat(atoms)
+
+
 @rule(aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm)
 def layer_norm(an: Analysis, node: torch.fx.Node) -> object:
     packet = getattr(node.target, "overloadpacket", node.target)
@@ -137,4 +150,4 @@ def group_norm(an: Analysis, node: torch.fx.Node) -> object:
     return [out, None, None] if native else out
 
 
-REDUCE_RULES = [reduction, softmax, layer_norm, group_norm]
+REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm]

@@ -4,8 +4,8 @@ Each builder gives the family's real structure at CPU size: encoder-decoder (T5)
 encoder (ViT), state-space (Mamba), multi-head latent attention with MoE (DeepSeek-V3),
 Phi-3 with grouped KV heads (two attributes of the same global value that map to
 different local values at tp=2), Apertus (learnable scalars inside its activation) and
-BART (a bias buffer added to the logits after the LM head) and CLIP (two towers, two
-required inputs).
+BART (a bias buffer added to the logits after the LM head), CLIP (two towers, two
+required inputs) and Qwen3-Next (gated delta-net layers with chunked causal masks).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -18,7 +18,7 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart"}
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -67,6 +67,15 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, image_size=32, patch_size=8, **kw),
             projection_dim=32, **kw)
+    if name == "qwen3_next":  # gated delta-net layers (chunked causal masks: tril) + MoE
+        return hf.Qwen3NextForCausalLM, hf.Qwen3NextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 
