@@ -36,6 +36,7 @@ CASES_TP2 = [
     ("bart", "sdpa"), ("bart", "eager"),
     ("clip", "sdpa"), ("clip", "eager"),
     ("qwen3_next", "sdpa"), ("qwen3_next", "eager"),
+    ("dbrx", "sdpa"), ("dbrx", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 

@@ -16,7 +16,6 @@ left alone.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..capture.export import quiet_traces
 from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
@@ -205,18 +205,6 @@ def apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:
             setattr(module, attr, local)
     if config_over:
         module.config = _ConfigView(module.config, config_over)
-
-
-@contextlib.contextmanager
-def quiet_traces() -> Iterator[None]:
-    """Silence torch's fake-tensor error log: a trace that fails is an answer here."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 @contextlib.contextmanager

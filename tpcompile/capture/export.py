@@ -14,11 +14,20 @@ Two things keep capture cheap:
   that still holds one block of every distinct structure, so a 126-layer model is traced
   as if it had one or two layers.  :class:`LayerStacks` maps the analysed block back to
   every block of the same structure.
+
+Code whose control flow depends on data (an MoE layer looping over the experts its
+router picked: ``for e in mask.sum(...).nonzero()``) cannot be exported on fake tensors.
+Such a model is traced a second time with ``nonzero`` answering "every position": the
+loop then runs over every expert, which is the dataflow the plan must cover.  The graph
+is only analysed, never run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Capture", "LayerStacks", "capture", "layer_stacks", "structural_signature"]
+__all__ = ["Capture", "LayerStacks", "capture", "layer_stacks", "quiet_traces", "structural_signature"]
 
 # Example sizes that cannot be mistaken for model sizes in the traced graph's shape
 # constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
@@ -146,6 +155,24 @@ def layer_stacks(model: nn.Module) -> LayerStacks:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict,
             preserve: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
+    told = io.StringIO()  # export prints the graph of a failed trace to stderr
+    try:
+        with contextlib.redirect_stderr(told), quiet_traces():
+            ep = _export_once(model, args, kwargs, preserve)
+    except Exception as err:
+        if not _data_dependent(err):
+            sys.stderr.write(told.getvalue())
+            raise
+        # data-dependent: what export printed is only the question the retry answers
+    else:
+        sys.stderr.write(told.getvalue())  # what the model itself printed while traced
+        return ep
+    with _every_position_nonzero():  # data-dependent loops run over every position
+        return _export_once(model, args, kwargs, preserve)
+
+
+def _export_once(model: nn.Module, args: tuple, kwargs: dict,
+                 preserve: tuple[str, ...]) -> torch.export.ExportedProgram:
     attempts: list[dict] = [dict(kwargs, use_cache=False), dict(kwargs)]
     last: Exception | None = None
     for kw in attempts:
@@ -156,6 +183,55 @@ def _export(model: nn.Module, args: tuple, kwargs: dict,
             last = err
     assert last is not None
     raise last
+
+
+@contextlib.contextmanager
+def quiet_traces() -> Iterator[None]:
+    """Silence torch's fake-tensor error log: a trace that fails is an answer here."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _data_dependent(err: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    while err is not None:
+        if isinstance(err, GuardOnDataDependentSymNode):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _all_positions(t: torch.Tensor) -> torch.Tensor:
+    """What ``nonzero`` returns for an all-true ``t``: every index, ``[numel, ndim]``."""
+    if t.dim() == 0:
+        return torch.zeros(1, 0, dtype=torch.long, device=t.device)
+    grids = torch.meshgrid(*[torch.arange(n, device=t.device) for n in t.shape], indexing="ij")
+    return torch.stack(grids, dim=-1).reshape(-1, t.dim())
+
+
+@contextlib.contextmanager
+def _every_position_nonzero() -> Iterator[None]:
+    """``nonzero`` (and one-argument ``where``) as if every entry were true."""
+    originals = (torch.nonzero, torch.Tensor.nonzero, torch.where, torch.Tensor.nonzero_static)
+
+    def nonzero(t: torch.Tensor, *, as_tuple: bool = False, **_: Any) -> Any:
+        idx = _all_positions(t)
+        return tuple(idx.unbind(-1)) if as_tuple else idx
+
+    def where(cond: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        return originals[2](cond, *rest, **kwargs) if rest or kwargs else nonzero(cond, as_tuple=True)
+
+    torch.nonzero, torch.Tensor.nonzero, torch.where = nonzero, nonzero, where
+    try:
+        yield
+    finally:
+        torch.nonzero, torch.Tensor.nonzero, torch.where = originals[:3]
 
 
 def capture(
