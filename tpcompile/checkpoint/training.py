@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 from ..plan.table import TensorMap, TranslationTable
+from ..runtime.mesh import mirror_mesh
 from ..runtime.shards import (
     assign_tp_local,
     lookup,
@@ -230,18 +231,9 @@ class _Meshes:
         if self.mirrored:
             key = _mesh_key(self.root)
             if key not in _mirrors:  # created once per mesh, by every rank, in step
-                from torch.distributed.device_mesh import init_device_mesh
-
                 if not self.root.mesh_dim_names:
                     raise TPError("async sharded saves need a DeviceMesh with dim names")
-                # a backend override forces fresh groups: without it a dim spanning the whole
-                # world would reuse the default group, which training is using right now
-                backend = dist.get_backend()
-                _mirrors[key] = init_device_mesh(
-                    self.root.device_type, tuple(self.root.shape),
-                    mesh_dim_names=self.root.mesh_dim_names,
-                    backend_override={n: backend for n in self.root.mesh_dim_names},
-                )
+                _mirrors[key] = mirror_mesh(self.root)
             self.root = _mirrors[key]
 
     def mesh(self, original: DeviceMesh) -> DeviceMesh:

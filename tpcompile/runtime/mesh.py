@@ -6,6 +6,8 @@ group is ranks ``r*tp .. r*tp + tp-1`` (on GPUs: one node's NVLink island).  The
 meshes are views of it: ``mesh["tp"]`` for tensor parallelism, ``mesh["dp_shard"]`` (or
 ``["dp_replicate", "dp_shard"]``: HSDP) for FSDP2, and for expert parallelism the 4-D
 ``(dp_replicate, efsdp, ep, tp)`` unflattening of ``dp_shard`` (:meth:`expert_mesh`).
+Background checkpoint saves run their collectives on a :func:`mirror_mesh`: the same
+layout over fresh process groups.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import TPError
 
-__all__ = ["EXPERT_MESH_DIMS", "MESH_DIMS", "ParallelDims", "data_parallel_rank", "device_type", "tp_mesh"]
+__all__ = [
+    "EXPERT_MESH_DIMS", "MESH_DIMS", "ParallelDims", "data_parallel_rank", "device_type", "mirror_mesh", "tp_mesh",
+]
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 EXPERT_MESH_DIMS = ("dp_replicate", "efsdp", "ep", "tp")
@@ -62,6 +66,17 @@ class ParallelDims:
     def data_mesh(mesh: DeviceMesh, hsdp: bool) -> DeviceMesh:
         """FSDP2's mesh: a 2-D (replicate, shard) mesh is HSDP."""
         return mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+
+
+def mirror_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh of ``mesh``'s shape and dim names over fresh process groups, for
+    collectives that run beside training's (a background checkpoint save)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    # a backend override forces fresh groups: without it a dim spanning the whole world
+    # would reuse the default group, which training is using right now
+    backend = dist.get_backend()
+    return init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=names,
+                            backend_override={n: backend for n in names})
 
 
 def device_type(model: nn.Module) -> str:

@@ -32,7 +32,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import TPError
 from ..plan import Plan
-from .cost import human_bytes
+from .cost_render import human_bytes
 
 __all__ = ["build_parser", "main"]
 
@@ -367,7 +367,7 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
 
 def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], *,
                   start: float, cost: dict[str, Any]) -> str:
-    from .cost import render_modules, render_summary
+    from .cost_render import render_modules, render_summary
 
     rows, total_bytes = _param_rows(plan, dtypes)
     header = ["parameter", "role", "global → per-rank shape", "layout", "per-rank bytes"]

@@ -34,7 +34,6 @@ Names are the ``torch.distributed`` functions: ``all_gather_into_tensor`` /
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -49,8 +48,7 @@ from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
 
-__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "human_bytes", "render_modules", "render_summary",
-           "trace_collectives"]
+__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
 
 # every collective name the cost section may report (torch.distributed functions)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -510,84 +508,3 @@ def _issue_dict(i: Issue) -> dict[str, Any]:
     return {"source": i.source, "modules": i.label or i.source, "phase": i.phase, "op": i.op, "group": i.group,
             "count": i.count, "bytes_per_token": float(i.bytes_per_token), "fixed_bytes": i.fixed_bytes,
             "what": i.what}
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes in B / KiB / MiB / GiB / TiB, for tables."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _ops_text(counts: dict[str, int]) -> str:
-    return ", ".join(f"{n} {op.replace('_', '-')}" for op, n in counts.items() if n) or "none"
-
-
-def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
-    """The table's collectives section: one line per (collapsed) module, then one block."""
-    calls: dict[str, dict[str, dict[str, int]]] = {}
-    per_block: dict[str, dict[str, dict[str, int]]] = {}
-    first: dict[str, str] = {}
-    for i in cost["issues"]:
-        if i["source"] == "loss" or i["source"].startswith("fsdp:"):
-            continue
-        entry = calls.setdefault(i["modules"], {"forward": {}, "backward": {}})
-        entry[i["phase"]][i["op"]] = entry[i["phase"]].get(i["op"], 0) + 1
-        first.setdefault(i["modules"], i["source"])
-        block = next((b for b in blocks if i["source"].startswith(b + ".")), None)
-        if block is not None:
-            b = per_block.setdefault(block, {"forward": {}, "backward": {}})
-            b[i["phase"]][i["op"]] = b[i["phase"]].get(i["op"], 0) + 1
-    sharers: dict[str, list[str]] = defaultdict(list)
-    for reader, owner in cost["shared_inputs"].items():
-        sharers[owner].append(reader.rpartition(".")[2])
-    lines = []
-    for label, entry in calls.items():
-        line = f"{label}: fwd {_ops_text(entry['forward'])}; bwd {_ops_text(entry['backward'])}"
-        if sharers.get(first[label]):
-            line += f" (input all-reduce shared with {', '.join(sharers[first[label]])})"
-        lines.append(line)
-    if per_block:
-        block, entry = next(iter(per_block.items()))
-        # a block module's issue is counted once per block of the same structure
-        repeats = next(i["count"] for i in cost["issues"] if i["source"].startswith(block + "."))
-        lines.append(f"per block: fwd {_ops_text(entry['forward'])}, bwd {_ops_text(entry['backward'])}"
-                     f"   (e.g. {block}; {repeats} blocks like it)")
-    loss = [i for i in cost["issues"] if i["source"] == "loss"]
-    if loss:
-        lines.append(f"loss (vocab-parallel cross-entropy): fwd {len(loss)} all-reduce of "
-                     f"{'+'.join(str(int(i['bytes_per_token'])) for i in loss)} B/token")
-    units = [i for i in cost["issues"] if i["source"].startswith("fsdp:")]
-    if units:
-        n = len({i["source"] for i in units})
-        lines.append(f"FSDP2 dp_shard={cost['dp_shard']}, {n} units: each fwd 1 all-gather-into-tensor; "
-                     "bwd 1 all-gather-into-tensor, 1 reduce-scatter-tensor")
-    return lines or ["none"]
-
-
-def render_summary(cost: dict[str, Any]) -> str:
-    """The one summary line of a step: collectives, bytes, memory per rank."""
-    tokens = cost["tokens"]
-    phases = []
-    for phase in ("forward", "backward"):
-        parts = []
-        for op, v in cost["per_step"][phase].items():
-            if not v["count"]:
-                continue
-            if tokens is None:
-                size = f"{human_bytes(v['bytes_per_token'])}/token" + \
-                    (f" + {human_bytes(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
-            else:
-                size = human_bytes(v["bytes"])
-            parts.append(f"{v['count']} {op} {size}")
-        phases.append(f"{'fwd' if phase == 'forward' else 'bwd'} {', '.join(parts) or 'none'}")
-    mem = cost["memory_per_rank"]
-    act = "activations need --batch/--seq" if tokens is None else \
-        "activations n/a" if mem["activations"] is None else f"activations {human_bytes(mem['activations'])}"
-    head = f"per step, {cost['batch']}×{cost['seq']} tokens per rank" if tokens is not None else \
-        "per step (bytes per token; --batch/--seq for totals)"
-    return (f"{head}: {'; '.join(phases)}; memory per rank {human_bytes(mem['total'])} = params "
-            f"{human_bytes(mem['parameters'])} + grads {human_bytes(mem['gradients'])} + AdamW "
-            f"{human_bytes(mem['adamw_states'])} + {act}")
