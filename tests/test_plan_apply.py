@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,10 +226,37 @@ def _unplanned(rank: int, world: int) -> dict:
     return out
 
 
+def _adapter_save(rank: int, world: int, out: str) -> dict:
+    """A transformed PeftModel saves PEFT's own adapter files, which plain PEFT loads."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(0)
+    ref = get_peft_model(_build("llama"), lora)
+    tp_model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+    tp_model.save_pretrained(out)  # every rank
+    result: dict = {}
+    if rank == 0:
+        files = sorted(p.name for p in Path(out).iterdir())
+        saved = load_file(f"{out}/adapter_model.safetensors")
+        loaded = PeftModel.from_pretrained(_build("llama"), out)
+        ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            err = (loaded(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+        want = {k: list(v.shape) for k, v in ref.state_dict().items() if "lora_" in k}
+        result = {"files": files, "logits": err, "tensors": len(saved), "adapters": len(want),
+                  "shapes": sorted({tuple(v.shape) for v in saved.values()}),
+                  "want_shapes": sorted({tuple(s) for s in want.values()})}
+    return result
+
+
 @pytest.fixture(scope="module")
-def world2() -> CaseResults:
+def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    out = str(tmp_path_factory.mktemp("adapter"))
     return run_cases(2, {"llama": (_apply_saved, "llama"), "gpt2": (_apply_saved, "gpt2"),
-                         "errors": (_apply_errors,), "unplanned": (_unplanned,)}, timeout=600)
+                         "errors": (_apply_errors,), "unplanned": (_unplanned,),
+                         "adapter_save": (_adapter_save, out)}, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +304,12 @@ def test_an_adapter_added_before_transform_trains_exactly(world2: CaseResults) -
         got = r["peft_before"]
         assert got["logits"] < TOL and got["loss"] < TOL and got["grads"] < TOL, got
         assert got["lora_grads"] == 4 * tiny_config("llama").num_hidden_layers  # A and B, two targets
+
+
+@pytest.mark.slow
+def test_a_transformed_peft_model_saves_peft_adapter_files(world2: CaseResults) -> None:
+    r = world2["adapter_save"][0]
+    assert "adapter_config.json" in r["files"] and "adapter_model.safetensors" in r["files"], r["files"]
+    assert not any(f.startswith("model") for f in r["files"]), r["files"]  # no full model
+    assert r["tensors"] == r["adapters"] and r["shapes"] == r["want_shapes"], r  # HF shapes, not shards
+    assert r["logits"] < TOL, r

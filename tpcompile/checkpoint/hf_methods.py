@@ -30,6 +30,12 @@ Example (every rank)::
 
     model = tpcompile.transform(model, tp=2)
     model.save_pretrained("out/final")            # AutoModel*.from_pretrained loads it
+
+A PEFT model (a ``PeftModel`` with its adapters, transformed as a whole) saves in PEFT's
+own format instead: its trainable tensors (the adapters, ``modules_to_save`` copies) are
+gathered one at a time to rank 0 in their HF shapes, and PEFT's own ``save_pretrained``
+writes ``adapter_config.json`` + ``adapter_model.safetensors`` from them; the frozen base
+is never gathered.  Plain ``PeftModel.from_pretrained(base, dir)`` loads it.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from ..runtime.shards import world
+from ..runtime.shards import lookup, world
 
 __all__ = ["bind_save_pretrained"]
 
@@ -56,8 +62,31 @@ _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetenso
 
 def bind_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(...)`` write through tpcompile (instance attribute)."""
-    if hasattr(type(model), "save_pretrained"):
+    if _is_peft_model(model):
+        model.save_pretrained = types.MethodType(_save_adapters, model)
+    elif hasattr(type(model), "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    """A PEFT wrapper: its ``save_pretrained`` writes adapters picked from a state dict."""
+    return isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model")
+
+
+def _save_adapters(self: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+    """PEFT's ``save_pretrained`` from the trainable tensors, gathered to rank 0 in HF shapes."""
+    from .hf import iter_hf_tensors, table_of
+
+    if kwargs.pop("state_dict", None) is not None:
+        raise TPError("save_pretrained(state_dict=...) is not supported on a tpcompile PEFT model: the "
+                      "adapters are gathered from the model itself")
+    kwargs.pop("is_main_process", None)  # tpcompile decides: rank 0 writes
+    keys = [k for k in table_of(self).saved_keys() if getattr(lookup(self, k)[2], "requires_grad", False)]
+    full = {k: v for k, v in iter_hf_tensors(self, keys, rank0_only=True, copy=True) if v is not None}
+    if world()[0] == 0:
+        type(self).save_pretrained(self, os.fspath(save_directory), state_dict=full, is_main_process=True, **kwargs)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank returns once the directory is complete
 
 
 def _check_arguments(state_dict: Any, push_to_hub: bool, max_shard_size: Any, variant: Any,
