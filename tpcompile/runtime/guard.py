@@ -4,15 +4,16 @@ A module added to a transformed model after ``transform`` (a PEFT adapter, a res
 embedding, a new head) was never planned: it computes on this rank's shards without the
 collectives it needs, so the model trains silently wrong — PEFT sizes LoRA from the
 local shard, a row module's partial LoRA output is never summed, no LoRA gradient is
-reduced.  :func:`watch_tree` records each module's name and class when the composer
-finishes; every ``_modules`` dict of the model then flags any change, and the next
-forward of the model compares the tree with the record and raises a
-:class:`~tpcompile.errors.TPError` naming what was added or replaced.  Until something
-changes the check costs one attribute read per forward.
+reduced.  :func:`watch_tree` marks every module of the planned model when the composer
+finishes (the mark is the module's own, so it follows the module wherever it moves and
+into copies); every ``_modules`` dict of the model then flags any change, and the next
+forward looks for modules without the mark and raises a
+:class:`~tpcompile.errors.TPError` naming them.  Until something changes the check costs
+one attribute read per forward.  Moving planned modules is fine: PEFT's
+``merge_and_unload`` puts each planned base layer back where its wrapper was.
 
 Wrappers that only rename a subtree (FSDP1's ``FullyShardedDataParallel``, activation
-checkpoint / offload wrappers, ``torch.compile``'s ``OptimizedModule``) are allowed:
-their segment is dropped from the names before comparing.
+checkpoint / offload wrappers, ``torch.compile``'s ``OptimizedModule``) are allowed.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from ..errors import TPError
 
 __all__ = ["unplanned_modules", "watch_tree"]
 
-# names a wrapper inserts between a module and its parent: FSDP1, checkpoint_wrapper,
-# offload_wrapper, torch.compile
-_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+# wrappers that only rename a subtree: FSDP1, checkpoint_wrapper, offload_wrapper,
+# torch.compile
 _WRAPPER_CLASSES = {"FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper", "OptimizedModule"}
 _SHOWN = 6
 
@@ -75,26 +75,14 @@ class _WatchedModules(dict):
         super().clear()
 
 
-def _normal(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
-
-
-def _tree(model: nn.Module) -> dict[str, type]:
-    return {_normal(n): type(m) for n, m in model.named_modules() if type(m).__name__ not in _WRAPPER_CLASSES}
+_MARK = "_tpcompile_planned"
 
 
 def unplanned_modules(model: nn.Module) -> list[str]:
-    """Modules of ``model`` that are not in the tree recorded by :func:`watch_tree`:
-    ``"name (Class)"`` for a new one, ``"name (now New, was Old)"`` for a replaced one."""
-    known: dict[str, type] = model._tpcompile_tree
-    out = []
-    for name, cls in _tree(model).items():
-        was = known.get(name)
-        if was is None:
-            out.append(f"{name or '<root>'} ({_class_name(cls)})")
-        elif not issubclass(cls, was):  # FSDP2 subclasses a block's class: still planned
-            out.append(f"{name} (now {_class_name(cls)}, was {_class_name(was)})")
-    return out
+    """``"name (module.Class)"`` of every module of ``model`` that was not part of it when
+    :func:`watch_tree` ran (wrappers that only rename a subtree aside)."""
+    return [f"{name or '<root>'} ({_class_name(type(m))})" for name, m in model.named_modules()
+            if not m.__dict__.get(_MARK) and type(m).__name__ not in _WRAPPER_CLASSES]
 
 
 def _class_name(cls: type) -> str:
@@ -107,13 +95,13 @@ def watch_tree(model: nn.Module) -> None:
     module added or replaced after this call."""
     watch = _Watch()
     for mod in model.modules():
+        mod.__dict__[_MARK] = True
         if not isinstance(mod._modules, _WatchedModules):
             watched = _WatchedModules(mod._modules)
             watched.watch = watch
             mod._modules = watched
         else:
             mod._modules.watch = watch
-    model._tpcompile_tree = _tree(model)
     model._tpcompile_watch = watch
     if not hasattr(model, "_tpcompile_tree_guard"):
         model._tpcompile_tree_guard = model.register_forward_pre_hook(_check, prepend=True)
