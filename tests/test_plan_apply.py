@@ -227,7 +227,8 @@ def _unplanned(rank: int, world: int) -> dict:
 
 
 def _adapter_save(rank: int, world: int, out: str) -> dict:
-    """A transformed PeftModel saves PEFT's own adapter files, which plain PEFT loads."""
+    """A transformed PeftModel saves PEFT's own adapter files, which plain PEFT loads; its
+    merge_and_unload is the merged tensor-parallel base, which saves as an HF model."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
 
@@ -235,19 +236,29 @@ def _adapter_save(rank: int, world: int, out: str) -> dict:
     torch.manual_seed(0)
     ref = get_peft_model(_build("llama"), lora)
     tp_model = tpcompile.transform(copy.deepcopy(ref), tp=world)
-    tp_model.save_pretrained(out)  # every rank
+    tp_model.save_pretrained(f"{out}/adapter")  # every rank
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     result: dict = {}
     if rank == 0:
-        files = sorted(p.name for p in Path(out).iterdir())
-        saved = load_file(f"{out}/adapter_model.safetensors")
-        loaded = PeftModel.from_pretrained(_build("llama"), out)
-        ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+        files = sorted(p.name for p in Path(f"{out}/adapter").iterdir())
+        saved = load_file(f"{out}/adapter/adapter_model.safetensors")
+        loaded = PeftModel.from_pretrained(_build("llama"), f"{out}/adapter")
         with torch.no_grad():
             err = (loaded(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
         want = {k: list(v.shape) for k, v in ref.state_dict().items() if "lora_" in k}
         result = {"files": files, "logits": err, "tensors": len(saved), "adapters": len(want),
                   "shapes": sorted({tuple(v.shape) for v in saved.values()}),
                   "want_shapes": sorted({tuple(s) for s in want.values()})}
+    merged_ref = copy.deepcopy(ref).merge_and_unload()
+    merged = tp_model.merge_and_unload()
+    with torch.no_grad():
+        result["merged"] = (merged(ids).logits - merged_ref(ids).logits).abs().max().item()
+    result["merged_plan"] = "model.layers.0.self_attn.q_proj.weight" in merged.tpcompile_plan.params
+    merged.save_pretrained(f"{out}/merged")  # every rank, gather-free
+    if rank == 0:
+        plain = AutoModelForCausalLM.from_pretrained(f"{out}/merged")
+        with torch.no_grad():
+            result["merged_saved"] = (plain(ids).logits - merged_ref(ids).logits).abs().max().item()
     return result
 
 
@@ -313,3 +324,10 @@ def test_a_transformed_peft_model_saves_peft_adapter_files(world2: CaseResults) 
     assert not any(f.startswith("model") for f in r["files"]), r["files"]  # no full model
     assert r["tensors"] == r["adapters"] and r["shapes"] == r["want_shapes"], r  # HF shapes, not shards
     assert r["logits"] < TOL, r
+
+
+@pytest.mark.slow
+def test_merge_and_unload_gives_the_merged_tensor_parallel_model(world2: CaseResults) -> None:
+    for r in world2["adapter_save"]:
+        assert r["merged"] < TOL and r["merged_plan"], r
+    assert world2["adapter_save"][0]["merged_saved"] < TOL  # plain transformers loads it

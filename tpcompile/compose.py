@@ -19,6 +19,7 @@ step after 1 reads only the plan and the meshes of :class:`~tpcompile.runtime.me
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +34,7 @@ from .config import ParallelConfig
 from .errors import TPError
 from .plan import Plan, build_table
 from .runtime import activations
-from .runtime.apply import apply_plan
+from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.experts import shard_experts
 from .runtime.fsdp import fully_shard_model
 from .runtime.guard import watch_tree
@@ -156,6 +157,46 @@ def mark(job: Job) -> None:
     and the guard that refuses modules added after planning (runtime/guard.py)."""
     mark_model(job.model)
     watch_tree(job.model)
+    _bind_merge(job)
+
+
+def _bind_merge(job: Job) -> None:
+    """A PEFT model's ``merge_and_unload`` returns its base model with the adapters merged
+    into the (sharded) base weights; the base then carries the plan under its own names."""
+    model = job.model
+    if not isinstance(getattr(model, "peft_config", None), dict):
+        return
+    merge = getattr(model, "merge_and_unload", None)  # PEFT's, found through its tuner
+    if merge is None:
+        return
+
+    def merge_and_unload(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if job.cfg is not None:
+            raise TPError("merge_and_unload() after tpcompile.parallelize is not supported (FSDP2 holds "
+                          "the weights sharded): merge before parallelize, or save the adapters with "
+                          "save_pretrained and merge them into an HF checkpoint")
+        old = {id(m): n for n, m in self.named_modules()}
+        merged = merge(*args, **kwargs)
+        name = {old[id(m)]: n for n, m in merged.named_modules() if id(m) in old}
+
+        def key(k: str) -> str | None:
+            owner, _, leaf = k.rpartition(".")
+            new = name.get(owner)
+            return None if new is None else f"{new}.{leaf}" if new else leaf
+
+        cls = type(merged).__name__
+        adopted = replace(job, model=merged, plan=self.tpcompile_plan.renamed(name.get, cls))
+        merged.tpcompile_mesh = self.tpcompile_mesh
+        merged.tpcompile_plan = adopted.plan
+        merged.tpcompile_table = self.tpcompile_table.renamed(key, cls)
+        bind_save_pretrained(merged)
+        install_root_hooks(merged, job.backend)
+        apply_loss(adopted)
+        mark_model(merged)
+        watch_tree(merged)
+        return merged
+
+    model.merge_and_unload = types.MethodType(merge_and_unload, model)
 
 
 # The fixed order. Context parallelism (step 4) slots in between sp and ep.

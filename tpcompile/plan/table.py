@@ -24,7 +24,8 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -153,6 +154,21 @@ class TranslationTable:
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
+
+    def renamed(self, rename: Callable[[str], str | None], model_class: str) -> TranslationTable:
+        """The table of the same tensors under new keys (``rename`` gives ``None``: gone);
+        a tied group whose saved key is gone is saved under its first remaining key."""
+        kept = {k: rename(k) for k in self.tensors}
+        kept = {k: v for k, v in kept.items() if v is not None}
+        groups: dict[str, list[str]] = {}
+        for k in kept:
+            groups.setdefault(self.tensors[k].saved_as, []).append(k)
+        out = TranslationTable(tp=self.tp, model_class=model_class)
+        for old, new in kept.items():
+            t = self.tensors[old]
+            saved = t.saved_as if t.saved_as in kept else groups[t.saved_as][0]
+            out.tensors[new] = replace(t, key=new, saved_as=kept[saved])
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TranslationTable:

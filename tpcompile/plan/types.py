@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -150,6 +151,29 @@ class Plan:
 
     def roles(self) -> dict[str, str]:
         return {k: v.role.value for k, v in self.params.items()}
+
+    def renamed(self, module_name: Callable[[str], str | None], model_class: str) -> Plan:
+        """The same plan for the same modules under new names (``module_name`` maps an old
+        module FQN to its new one, ``None``: the module is gone, and so are its entries).
+        For a model whose modules moved (PEFT's ``merge_and_unload``)."""
+        def fqn(name: str) -> str | None:
+            owner, _, leaf = name.rpartition(".")
+            new = module_name(owner)
+            return None if new is None else f"{new}.{leaf}" if new else leaf
+
+        params = {}
+        for name, pp in self.params.items():
+            new = fqn(name)
+            if new is not None:
+                params[new] = replace(pp, fqn=new, module=module_name(pp.module) or "",
+                                      tied_to=[a for a in map(fqn, pp.tied_to) if a is not None],
+                                      scope=None if pp.scope is None else module_name(pp.scope))
+        modules = {module_name(k): replace(m, fqn=module_name(k)) for k, m in self.modules.items()
+                   if module_name(k) is not None}
+        return replace(self, model_class=model_class, params=params, modules=modules,
+                       blocks=[b for b in map(module_name, self.blocks) if b is not None],
+                       experts={module_name(k): replace(x, fqn=module_name(k)) for k, x in self.experts.items()
+                                if module_name(k) is not None})
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

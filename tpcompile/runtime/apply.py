@@ -18,7 +18,7 @@ from ..plan.modules import ModulePlan, VocabEmbedding
 from ..plan.types import Plan
 from .state_dict import install_state_dict_hooks
 
-__all__ = ["apply_plan"]
+__all__ = ["apply_plan", "install_root_hooks"]
 
 
 def _owner(fqn: str) -> tuple[str, str]:
@@ -73,11 +73,16 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     if getattr(backend, "tp", 1) > 1:
         # state_dict()/load_state_dict() speak HF tensors, whatever the local layout
         install_state_dict_hooks(model, plan.params, backend.mesh)
+    install_root_hooks(model, backend)
+    model.tpcompile_plan = plan
+    return model
+
+
+def install_root_hooks(model: nn.Module, backend: Any) -> None:
+    """The backend's per-forward state is reset around every call of the root ``model``."""
     if hasattr(backend, "reset"):  # an input shared by column modules never spans two passes
         model.register_forward_pre_hook(lambda *_: backend.reset())
         model.register_forward_hook(lambda *_: backend.reset())
-    model.tpcompile_plan = plan
-    return model
 
 
 def _install_scoped_swap(module: nn.Module, paths: list[str]) -> None:
