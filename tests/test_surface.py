@@ -164,3 +164,14 @@ def test_ruff_clean() -> None:
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("module", "name", "home"), [
+    ("tpcompile.plan", "select_rows", "tpcompile.plan.types"),
+    ("tpcompile.plan", "key_matches", "tpcompile.analysis.roles"),
+    ("tpcompile.integrations", "mark_model", "tpcompile.runtime.markers"),
+])
+def test_names_of_modules_that_became_packages_warn_and_resolve(module: str, name: str, home: str) -> None:
+    with pytest.warns(DeprecationWarning, match=name):
+        got = getattr(importlib.import_module(module), name)
+    assert got is getattr(importlib.import_module(home), name)

@@ -3,6 +3,19 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from .hf import STATE_DIR, TPTrainerCallback, data_mesh, prepare
 
 __all__ = ["STATE_DIR", "TPTrainerCallback", "data_mesh", "prepare"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "mark_model":  # the composer's last step sets the marks now
+        warnings.warn("tpcompile.integrations.mark_model is deprecated; it is "
+                      "tpcompile.runtime.markers.mark_model", DeprecationWarning, stacklevel=2)
+        from ..runtime.markers import mark_model
+
+        return mark_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
