@@ -353,4 +353,55 @@ def index(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(an.aligned_to(np.asarray(rest), an.ndim(node)))
 
 
-CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, sdpa, embedding, conv, index]
+@rule(aten.einsum)
+def einsum(an: Analysis, node: torch.fx.Node) -> object:
+    """An einsum of activations read from its equation, with matmul's algebra: operands'
+    features meet where they share a label (tied, as elementwise math ties them), and a
+    contracted label ties every feature along it into one unit, so each sum runs on one
+    rank (as ``q·kᵀ`` ties a head's ``head_dim``). Mamba-2's SSD ``"bclhn,bcshn->bclsh"``
+    keeps its heads ``h`` split. A parameter operand (a weight written as an einsum) is
+    not read yet and refuses the region."""
+    equation, operands = node.args[0], list(node.args[1])
+    vals = [an.val(o) for o in operands]
+    if any(isinstance(v, Partial) for v in vals):
+        an.reduce_partials(node)
+        return None
+    if not any(isinstance(v, Feat) for v in vals):
+        return None
+    lhs, arrow, out_labels = equation.replace(" ", "").partition("->")
+    ins = lhs.split(",")
+    if (not arrow or "." in equation or len(ins) != len(operands)
+            or any(len(set(s)) != len(s) for s in ins) or any(isinstance(v, ParamRef) for v in vals)):
+        an.poison_node(node, f"einsum {equation!r}: only explicit activation equations are read", *vals)
+        return None
+    contracted = [lab for lab in dict.fromkeys("".join(ins)) if lab not in out_labels]
+    order = [*out_labels, *contracted]  # every label once: output first, then the summed ones
+    parts = []
+    for labels, v in zip(ins, vals, strict=True):
+        if not isinstance(v, Feat):
+            continue
+        atoms = an.aligned_to(v.atoms, len(labels))
+        atoms = np.transpose(atoms, [labels.index(lab) for lab in order if lab in labels])
+        parts.append(atoms.reshape([atoms.shape[[x for x in order if x in labels].index(lab)]
+                                    if lab in labels else 1 for lab in order]))
+    full = parts[0]
+    for other in parts[1:]:  # features meeting at one position are tied
+        an.union(full, other)
+        shape = np.broadcast_shapes(full.shape, other.shape)
+        a, b = np.broadcast_to(full, shape), np.broadcast_to(other, shape)
+        full = np.where(a >= 0, a, b)
+    for labels, v in zip(ins, vals, strict=True):
+        summed = [order.index(lab) for lab in labels if lab in contracted]
+        # a replicated operand summed against features that vary along the summed label
+        if not isinstance(v, Feat) and any(full.shape[d] > 1 for d in summed):
+            an.poison_node(node, "sharded features contracted with a replicated activation", *vals)
+            return None
+    out = an.union_along(full, [order.index(lab) for lab in contracted])
+    out = out.reshape(out.shape[: len(out_labels)])
+    for o, v in zip(operands, vals, strict=True):
+        if not isinstance(v, Feat):
+            an.shares(node, o, an.aligned_to(out, len(out_labels)))
+    return an.feat(out)
+
+
+CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, einsum, sdpa, embedding, conv, index]

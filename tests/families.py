@@ -6,7 +6,7 @@ Phi-3 with grouped KV heads (two attributes of the same global value that map to
 different local values at tp=2), Apertus (learnable scalars inside its activation) and
 BART (a bias buffer added to the logits after the LM head), CLIP (two towers, two
 required inputs), Qwen3-Next (gated delta-net layers with chunked causal masks) and
-DBRX (an MoE layer whose expert loop depends on the routing).
+DBRX (an MoE layer whose expert loop depends on the routing) and Mamba-2 (einsums).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -19,7 +19,7 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx"}
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -82,6 +82,11 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256, pad_token_id=0,
             attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
             ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), **kw)
+    if name == "mamba2":  # SSD mixer written with einsums over chunks and heads
+        return hf.Mamba2ForCausalLM, hf.Mamba2Config(
+            hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, num_hidden_layers=2,
+            vocab_size=256, expand=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

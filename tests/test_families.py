@@ -37,6 +37,7 @@ CASES_TP2 = [
     ("clip", "sdpa"), ("clip", "eager"),
     ("qwen3_next", "sdpa"), ("qwen3_next", "eager"),
     ("dbrx", "sdpa"), ("dbrx", "eager"),
+    ("mamba2", None),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
@@ -249,6 +250,30 @@ def test_two_tensor_max_is_elementwise() -> None:
         model = _MaxGate()
     roles = tpcompile.plan_model(model, tp=2).roles()
     assert (roles["a.weight"], roles["b.weight"], roles["out.weight"]) == ("column", "column", "row")
+
+
+class _EinsumAttention(torch.nn.Module):
+    """Attention written with einsums: heads ``h`` are a label both scores and values share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32) for _ in range(3))
+        self.o = torch.nn.Linear(32, 32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, 8) for p in (self.q, self.k, self.v))
+        scores = torch.einsum("bshd,bthd->bhst", q, k).softmax(-1)
+        return self.o(torch.einsum("bhst,bthd->bshd", scores, v).reshape(b, s, -1))
+
+
+def test_einsum_keeps_heads_split() -> None:
+    with torch.device("meta"):
+        model = _EinsumAttention()
+    roles = tpcompile.plan_model(model, tp=2).roles()
+    assert [roles[f"{n}.weight"] for n in "qkvo"] == ["column", "column", "column", "row"]
 
 
 class _BakedBlock(torch.nn.Module):

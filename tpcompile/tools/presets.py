@@ -627,7 +627,9 @@ def load_config_path(path: str | Path) -> PreTrainedConfig:
         raise FileNotFoundError(f"no model directory or config.json at {path}")
 
     try:
-        data = json.loads(config_file.read_text(encoding="utf-8"))
+        # transformers writes non-finite floats as {"__float__": "Infinity"} (Mamba-2's
+        # time_step_limit); read them back as from_pretrained does
+        data = json.loads(config_file.read_text(encoding="utf-8"), object_hook=_special_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{config_file} is not a valid JSON config file: {exc}") from exc
     if not isinstance(data, dict):
@@ -643,3 +645,9 @@ def load_config_path(path: str | Path) -> PreTrainedConfig:
     # from_dict is what from_pretrained uses after fetching the file, including the
     # conversion of legacy keys such as rope_theta/rope_scaling.
     return CONFIG_MAPPING[model_type].from_dict(data)
+
+
+def _special_float(obj: dict) -> object:
+    if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+        return float(obj["__float__"].replace("Infinity", "inf"))
+    return obj
