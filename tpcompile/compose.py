@@ -33,6 +33,7 @@ from .checkpoint.pretrained import CheckpointLoader, scatter_from_rank0
 from .config import ParallelConfig
 from .errors import TPError
 from .plan import Plan, build_table
+from .plan.types import renamed_fqn
 from .runtime import activations
 from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.experts import shard_experts
@@ -71,17 +72,16 @@ def apply_tp(job: Job) -> None:
     model, plan = job.model, job.plan
     # the translation table is taken while names and shapes are still the HF ones
     table = build_table(model, plan if job.tp_mesh is not None else None)
+    full = None
     if job.tp_mesh is not None:
-        full = None
         if job.rank0_weights and dist.get_rank() == 0:
             full = dict(model.state_dict())  # the real tensors, released one by one while sent
         apply_plan(model, plan, job.backend)
         model.tpcompile_mesh = job.tp_mesh
-        model.tpcompile_table = table
-        if job.rank0_weights:
-            scatter_from_rank0(model, table, full)
     model.tpcompile_plan = plan
     model.tpcompile_table = table
+    if job.tp_mesh is not None and job.rank0_weights:
+        scatter_from_rank0(model, table, full)
     bind_save_pretrained(model)  # transformers' own would gather the model onto one rank
 
 
@@ -178,17 +178,11 @@ def _bind_merge(job: Job) -> None:
         old = {id(m): n for n, m in self.named_modules()}
         merged = merge(*args, **kwargs)
         name = {old[id(m)]: n for n, m in merged.named_modules() if id(m) in old}
-
-        def key(k: str) -> str | None:
-            owner, _, leaf = k.rpartition(".")
-            new = name.get(owner)
-            return None if new is None else f"{new}.{leaf}" if new else leaf
-
         cls = type(merged).__name__
         adopted = replace(job, model=merged, plan=self.tpcompile_plan.renamed(name.get, cls))
         merged.tpcompile_mesh = self.tpcompile_mesh
         merged.tpcompile_plan = adopted.plan
-        merged.tpcompile_table = self.tpcompile_table.renamed(key, cls)
+        merged.tpcompile_table = self.tpcompile_table.renamed(lambda k: renamed_fqn(k, name.get), cls)
         bind_save_pretrained(merged)
         install_root_hooks(merged, job.backend)
         apply_loss(adopted)

@@ -218,20 +218,21 @@ def _all_positions(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def _every_position_nonzero() -> Iterator[None]:
     """``nonzero`` (and one-argument ``where``) as if every entry were true."""
-    originals = (torch.nonzero, torch.Tensor.nonzero, torch.where, torch.Tensor.nonzero_static)
+    originals = (torch.nonzero, torch.Tensor.nonzero, torch.where)
+    plain_where = torch.where
 
     def nonzero(t: torch.Tensor, *, as_tuple: bool = False, **_: Any) -> Any:
         idx = _all_positions(t)
         return tuple(idx.unbind(-1)) if as_tuple else idx
 
     def where(cond: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
-        return originals[2](cond, *rest, **kwargs) if rest or kwargs else nonzero(cond, as_tuple=True)
+        return plain_where(cond, *rest, **kwargs) if rest or kwargs else nonzero(cond, as_tuple=True)
 
     torch.nonzero, torch.Tensor.nonzero, torch.where = nonzero, nonzero, where
     try:
         yield
     finally:
-        torch.nonzero, torch.Tensor.nonzero, torch.where = originals[:3]
+        torch.nonzero, torch.Tensor.nonzero, torch.where = originals
 
 
 def capture(

@@ -27,7 +27,7 @@ from .sequence_types import SequencePlan
 
 __all__ = [
     "PLAN_VERSION", "ExpertsPlan", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs",
-    "runs_to_index", "select_rows",
+    "renamed_fqn", "runs_to_index", "select_rows",
 ]
 
 PLAN_VERSION = 2  # 2: module plans are typed ops (1: booleans, still read)
@@ -157,9 +157,7 @@ class Plan:
         module FQN to its new one, ``None``: the module is gone, and so are its entries).
         For a model whose modules moved (PEFT's ``merge_and_unload``)."""
         def fqn(name: str) -> str | None:
-            owner, _, leaf = name.rpartition(".")
-            new = module_name(owner)
-            return None if new is None else f"{new}.{leaf}" if new else leaf
+            return renamed_fqn(name, module_name)
 
         params = {}
         for name, pp in self.params.items():
@@ -199,6 +197,13 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def renamed_fqn(name: str, module_name: Callable[[str], str | None]) -> str | None:
+    """``name`` (``"<module>.<leaf>"``) under its module's new name (``None``: gone)."""
+    owner, _, leaf = name.rpartition(".")
+    new = module_name(owner)
+    return None if new is None else f"{new}.{leaf}" if new else leaf
 
 
 def _plain(value: Any) -> Any:
