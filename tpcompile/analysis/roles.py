@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..errors import TPError
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
-from .state import ParamRef
+from .state import Feat, ParamRef
 
 __all__ = ["Analyzed", "analyze"]
 
@@ -110,12 +110,46 @@ def _aligned_checks(a: Analyzed) -> set:
             continue  # a fresh fill: rank-local once its size is (a fix-up; the dry run checks)
         if sliced or (shared and ev.tainted):
             what = "would need slicing" if sliced else "has a gradient the local features each add to"
+            region = _region_blocks(part, an, ev.atoms.reshape(-1))
+            behind = _rows_behind(an, part, node) if sliced else set()
+            if behind and _width(an, behind) < _width(an, region):
+                # the value is whole because a smaller region was split and summed before
+                # it (a LoRA branch split over its rank, added into sharded heads): keep
+                # that one replicated, and the branch follows the heads instead
+                force |= behind
+                continue
             a.notes.append(
                 f"activation {node.name} ({module_path(ev.node)[-1:] or ['<root>']}) {what}; "
                 "kept the region replicated"
             )
-            force |= _region_blocks(part, an, ev.atoms.reshape(-1))
+            force |= region
     return force
+
+
+def _rows_behind(an: Analysis, part: Partition, node: fx.Node, depth: int = 16) -> set:
+    """Blocks of the regions whose row-parallel partial sums ``node`` is computed from,
+    looking back through values that carry no features."""
+    row_of = {r.node: r for r in an.rows}
+    found: set = set()
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if n in seen or d > depth:
+            continue
+        seen.add(n)
+        row = row_of.get(n)
+        if row is not None and (row.fqn, row.in_dim) in part.layouts:
+            found |= _region_blocks(part, an, row.atoms)
+            continue
+        if isinstance(an.value.get(n), Feat):
+            continue
+        todo.extend((i, d + 1) for i in n.all_input_nodes)
+    return found
+
+
+def _width(an: Analysis, blocks: set) -> int:
+    """How many parameter features the regions of ``blocks`` hold."""
+    return sum(an.atoms.by_key[k].size for k in blocks if k in an.atoms.by_key)
 
 
 def _uniform_along(an: Analysis, node: fx.Node, dims: list[int], nd: int) -> bool:
