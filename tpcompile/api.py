@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +51,8 @@ def transform(
     sequence_parallel: bool = False,
     ep: int = 1,
     plan: Plan | None = None,
+    fp8: Any = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Rewrite ``model`` in place into a tensor-parallel model over ``tp`` ranks.
 
@@ -86,6 +88,12 @@ def transform(
             The planning options (``rules``, ``overrides``, ``strict``,
             ``example_inputs``) must then be left unset; ``loss_parallel``,
             ``sequence_parallel`` and ``ep`` are read from the plan.
+        fp8: FP8 matmuls through torchao's float8 training (``pip install -e ".[fp8]"``):
+            ``True`` / ``"tensorwise"``, ``"rowwise"`` (tp=1 only) or a
+            ``torchao.float8.Float8LinearConfig``; the amax of every split operand is
+            reduced over the TP group, so the result equals single-process torchao FP8.
+            Default choice: the linears the plan splits, dims multiples of 16 (not the LM
+            head, not routers); ``fp8_filter(module, fqn)`` chooses instead.
 
     The result carries ``model.tpcompile_plan`` (the :class:`Plan`) and
     ``model.tpcompile_table`` (the :class:`~tpcompile.plan.TranslationTable`
@@ -101,11 +109,17 @@ def transform(
         raise TPError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     tp_mesh = tp_mesh_of(model, tp, mesh)
     be = make_backend(backend, tp_mesh)
+    given = plan is not None
     plan = _resolve_plan(model, tp, plan, loss_parallel=loss_parallel, rules=rules, overrides=overrides,
                          strict=strict, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                          ep=ep)
+    def replan(adapted: nn.Module) -> Plan:  # modules added later are planned the same way
+        return plan_model(adapted, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides, strict=strict,
+                          example_inputs=example_inputs, sequence_parallel=sequence_parallel, ep=ep)
+
     return tensor_parallel(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=be,
-                               rank0_weights=load_state_dict_from_rank0))
+                               rank0_weights=load_state_dict_from_rank0, replan=None if given else replan,
+                               fp8=fp8, fp8_filter=fp8_filter))
 
 
 def _resolve_plan(model: nn.Module, tp: int, plan: Plan | None, *, loss_parallel: bool, sequence_parallel: bool,
@@ -148,6 +162,8 @@ def parallelize(
     config: Any = None,
     load_from: str | os.PathLike | None = None,
     plan: Plan | None = None,
+    fp8: Any = None,
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Tensor-parallel + FSDP2 (+ activation checkpointing/offloading) in one call, in place.
 
@@ -190,6 +206,8 @@ def parallelize(
             ``tpcompile.checkpoint.load(path, model, optimizer)``.
         plan: apply this :class:`Plan` instead of planning (as in :func:`transform`);
             made by ``plan_model`` at the same ``tp`` and ``ep``.
+        fp8, fp8_filter: FP8 matmuls through torchao, as in :func:`transform`; FSDP2
+            gathers the weights in their own precision.
 
     Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh) and
     ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`);
@@ -242,7 +260,7 @@ def parallelize(
     tp_mesh = mesh["tp"] if cfg.tp > 1 else None
     backend = make_backend("auto", tp_mesh) if tp_mesh is not None else None
     return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
-                       device=device, pending=pending))
+                       device=device, pending=pending, fp8=fp8, fp8_filter=fp8_filter))
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -6,6 +6,7 @@ Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps
     1. tp           shard parameters as DTensors, hook the collectives, HF state dicts
     2. loss         the model's loss reads this rank's vocab shard (or loss-parallel)
     3. sp           sequence parallelism: split / gather the residual stream per block
+       fp8          FP8 matmuls in the split projections, scales of whole tensors
     4. cp           (context parallelism: not built yet)
     5. ep           keep this rank's experts, all-to-all dispatch around their forward
     6. activations  checkpoint / offload per block (inside FSDP, outside TP)
@@ -20,6 +21,7 @@ step after 1 reads only the plan and the meshes of :class:`~tpcompile.runtime.me
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,13 +30,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoint.hf_methods import bind_save_pretrained
+from .checkpoint.hf_methods import bind_save_pretrained, route_peft_saves
 from .checkpoint.pretrained import CheckpointLoader, scatter_from_rank0
 from .config import ParallelConfig
 from .errors import TPError
 from .plan import Plan, build_table
 from .plan.types import renamed_fqn
 from .runtime import activations
+from .runtime.adapters import adopt_plan, global_twin, size_adapters_globally
 from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.experts import shard_experts
 from .runtime.fsdp import fully_shard_model
@@ -62,6 +65,12 @@ class Job:
     rank0_weights: bool = False  # transform(load_state_dict_from_rank0=True)
     pending: Materializer | CheckpointLoader | None = None
     experts: list[nn.Module] = field(default_factory=list)
+    # plans a model the way this job's plan was made (transform's options): modules added
+    # after transform (PEFT adapters) are planned with it, from the adapted model's dataflow
+    replan: Callable[[nn.Module], Plan] | None = None
+    names: dict[int, str] = field(default_factory=dict)  # id(module) -> its name when planned
+    fp8: Any = None  # None: off; True / "tensorwise" / "rowwise" / a torchao Float8LinearConfig
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None
 
 
 # ---------------------------------------------------------------------------- steps
@@ -96,6 +105,16 @@ def apply_sp(job: Job) -> None:
     """3. Sequence parallelism between the tensor-parallel regions."""
     if job.tp_mesh is not None and job.plan.sequence:
         install_sequence_parallel(job.model, job.plan.sequence, job.backend)
+
+
+def apply_fp8(job: Job) -> None:
+    """3b. FP8 matmuls (torchao float8) in the projections the plan splits, with the
+    amax of every split operand reduced over the TP group (runtime/fp8.py)."""
+    if job.fp8 is None or job.fp8 is False:
+        return
+    from .runtime.fp8 import convert_fp8  # imports torchao: only when FP8 is asked for
+
+    job.model.tpcompile_fp8 = convert_fp8(job.model, job.plan, job.tp_mesh, job.fp8, job.fp8_filter)
 
 
 def apply_ep(job: Job) -> None:
@@ -154,10 +173,51 @@ def materialise(job: Job) -> None:
 
 def mark(job: Job) -> None:
     """9. What the HF Trainer / accelerate read to leave the model's parallelism alone,
-    and the guard that refuses modules added after planning (runtime/guard.py)."""
+    and the guard that plans (or refuses) modules added after planning (runtime/guard.py)."""
     mark_model(job.model)
-    watch_tree(job.model)
+    size_adapters_globally()
+    route_peft_saves()
+    _watch(job)
     _bind_merge(job)
+
+
+def _watch(job: Job) -> None:
+    job.names = {id(m): n for n, m in job.model.named_modules()}
+    watch_tree(job.model, adopt=lambda found: adopt_new_modules(job, found))
+
+
+def adopt_new_modules(job: Job, found: list[str]) -> None:
+    """Plan modules added after the composer ran (runtime/adapters.py): the adapted
+    model is planned from its own dataflow with the job's options, the new parameters are
+    sharded and hooked; what was planned before must keep its layout."""
+    model = job.model
+    now = {id(m): n for n, m in model.named_modules()}
+    new_name = {old: now.get(i) for i, old in job.names.items()}
+    if not found:  # planned modules only moved (PEFT's merge_and_unload put the bases back)
+        if any(old != new for old, new in new_name.items()):
+            cls = job.plan.model_class
+            model.tpcompile_plan = job.plan = model.tpcompile_plan.renamed(new_name.get, cls)
+            model.tpcompile_table = model.tpcompile_table.renamed(lambda k: renamed_fqn(k, new_name.get), cls)
+        _watch(job)
+        return
+    if job.cfg is not None:
+        raise TPError(f"{', '.join(found[:4])} were added after tpcompile.parallelize; FSDP2 already holds the "
+                      "parameters, so modules cannot be planned into it any more. Add adapters before "
+                      "parallelize (get_peft_model(model, config) first, then parallelize the PeftModel)")
+    if job.tp_mesh is not None:
+        if job.replan is None:
+            raise TPError(f"{', '.join(found[:4])} were added after tpcompile.transform(plan=...); a given plan "
+                          "cannot be extended: plan the adapted model with plan_model and apply that plan")
+        if job.plan.sequence:
+            raise TPError(f"{', '.join(found[:4])} were added after tpcompile.transform(sequence_parallel=True); "
+                          "add adapters before transform (get_peft_model(model, config) first)")
+        old = model.tpcompile_plan.renamed(new_name.get, job.plan.model_class)
+        twin = global_twin(model, old)
+        new = job.replan(twin)
+        adopt_plan(model, old, new, job.backend)
+        model.tpcompile_table = build_table(twin, new)
+        job.plan = new
+    _watch(job)
 
 
 def _bind_merge(job: Job) -> None:
@@ -194,12 +254,12 @@ def _bind_merge(job: Job) -> None:
 
 
 # The fixed order. Context parallelism (step 4) slots in between sp and ep.
-TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp)
+TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp, apply_fp8)
 STEPS = (*TENSOR_PARALLEL_STEPS, apply_ep, apply_activations, apply_fsdp, materialise, mark)
 
 
 def tensor_parallel(job: Job) -> nn.Module:
-    """Steps 1-3 and the marks: what ``transform`` does."""
+    """Steps 1-3 (with fp8) and the marks: what ``transform`` does."""
     for step in (*TENSOR_PARALLEL_STEPS, mark):
         step(job)
     return job.model

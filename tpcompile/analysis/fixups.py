@@ -30,7 +30,7 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["Local", "apply_fixups", "find_fixups", "localize_embedding", "quiet_traces", "verify_fixups"]
+__all__ = ["Local", "apply_fixups", "find_fixups", "global_config", "localize_embedding", "quiet_traces", "verify_fixups"]
 
 aten = torch.ops.aten
 _CONV = (aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution, aten._convolution)
@@ -193,6 +193,11 @@ class _ConfigView:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(object.__getattribute__(self, "_base"), name, value)
+
+
+def global_config(config: Any) -> Any:
+    """The model's own config behind the private view :func:`apply_fixups` may have set."""
+    return object.__getattribute__(config, "_base") if isinstance(config, _ConfigView) else config
 
 
 def apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:

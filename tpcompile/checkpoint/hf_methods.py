@@ -51,9 +51,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
+from ..runtime.adapters import peft_module
 from ..runtime.shards import lookup, world
 
-__all__ = ["bind_save_pretrained"]
+__all__ = ["bind_save_pretrained", "route_peft_saves"]
 
 _NO_EFFECT = ("token", "save_peft_format", "save_original_format")
 # weight files a previous save may have left; replaced like transformers replaces them
@@ -73,6 +74,36 @@ def _is_peft_model(model: nn.Module) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model")
 
 
+def route_peft_saves() -> None:
+    """``PeftModel.save_pretrained`` of a PeftModel wrapped around a transformed model
+    (``get_peft_model`` after ``transform``) writes through :func:`_save_adapters` too.
+    PEFT's own would hand DTensor shards to safetensors.  Idempotent; PEFT not installed:
+    nothing to do."""
+    peft_model = peft_module("peft.peft_model")
+    cls = getattr(peft_model, "PeftModel", None)
+    if cls is None or hasattr(cls.save_pretrained, "_tpcompile_original"):
+        return
+    original = cls.save_pretrained
+
+    def save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        if not args and getattr(self.get_base_model(), "tpcompile_table", None) is not None:
+            return _save_adapters(self, save_directory, **kwargs)
+        return original(self, save_directory, *args, **kwargs)
+
+    save_pretrained._tpcompile_original = original
+    cls.save_pretrained = save_pretrained
+
+
+def _transformed_part(model: nn.Module) -> tuple[nn.Module, str]:
+    """The transformed module of a PEFT model (itself, or the base it wraps) and its
+    prefix in the PEFT model's state dict."""
+    if "tpcompile_table" in model.__dict__:  # not PEFT's attribute forwarding to the base
+        return model, ""
+    base = model.get_base_model()
+    name = next(n for n, m in model.named_modules() if m is base)
+    return base, f"{name}."
+
+
 def _save_adapters(self: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     """PEFT's ``save_pretrained`` from the trainable tensors, gathered to rank 0 in HF shapes."""
     from .hf import iter_hf_tensors, table_of
@@ -81,10 +112,13 @@ def _save_adapters(self: nn.Module, save_directory: str | os.PathLike, **kwargs:
         raise TPError("save_pretrained(state_dict=...) is not supported on a tpcompile PEFT model: the "
                       "adapters are gathered from the model itself")
     kwargs.pop("is_main_process", None)  # tpcompile decides: rank 0 writes
-    keys = [k for k in table_of(self).saved_keys() if getattr(lookup(self, k)[2], "requires_grad", False)]
-    full = {k: v for k, v in iter_hf_tensors(self, keys, rank0_only=True, copy=True) if v is not None}
+    part, prefix = _transformed_part(self)
+    keys = [k for k in table_of(part).saved_keys() if getattr(lookup(part, k)[2], "requires_grad", False)]
+    full = {prefix + k: v for k, v in iter_hf_tensors(part, keys, rank0_only=True, copy=True) if v is not None}
     if world()[0] == 0:
-        type(self).save_pretrained(self, os.fspath(save_directory), state_dict=full, is_main_process=True, **kwargs)
+        save = type(self).save_pretrained
+        save = getattr(save, "_tpcompile_original", save)
+        save(self, os.fspath(save_directory), state_dict=full, is_main_process=True, **kwargs)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank returns once the directory is complete
 

@@ -26,8 +26,9 @@ def _owner(fqn: str) -> tuple[str, str]:
     return mod, name
 
 
-def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
-    """Shard parameters and install hooks per ``plan`` (in place)."""
+def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool = True) -> nn.Module:
+    """Shard parameters and install hooks per ``plan`` (in place).  ``root_hooks=False``:
+    the root already has the backend's per-forward reset (a plan for added modules)."""
     mods = dict(model.named_modules())
     swaps: dict[str, list[str]] = defaultdict(list)
     scoped: dict[str, list[str]] = defaultdict(list)  # module -> descendants' param paths
@@ -73,7 +74,8 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any) -> nn.Module:
     if getattr(backend, "tp", 1) > 1:
         # state_dict()/load_state_dict() speak HF tensors, whatever the local layout
         install_state_dict_hooks(model, plan.params, backend.mesh)
-    install_root_hooks(model, backend)
+    if root_hooks:
+        install_root_hooks(model, backend)
     model.tpcompile_plan = plan
     return model
 

@@ -14,10 +14,19 @@ one attribute read per forward.  Moving planned modules is fine: PEFT's
 
 Wrappers that only rename a subtree (FSDP1's ``FullyShardedDataParallel``, activation
 checkpoint / offload wrappers, ``torch.compile``'s ``OptimizedModule``) are allowed.
+
+With an ``adopt`` callback (the composer's re-planning, :mod:`tpcompile.runtime.adapters`)
+new modules are planned instead of refused.  That happens at the first walk over the
+model's tree from its root after the change (``parameters()``, ``state_dict()``,
+``named_modules()``: PEFT's own marking of the trainable adapters is one), so an
+optimizer built right after ``get_peft_model`` already holds the planned parameters;
+the next forward is the backstop.  Walks of a subtree (PEFT moving one new wrapper to
+its base's device) do not trigger it, so one re-plan covers every adapter injected.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -35,10 +44,28 @@ _SHOWN = 6
 class _Watch:
     """Shared by every ``_modules`` dict of one model: set when any of them changes."""
 
-    __slots__ = ("changed",)
+    __slots__ = ("adopt", "busy", "changed", "model")
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module, adopt: Callable[[list[str]], None] | None) -> None:
         self.changed = False
+        self.busy = False
+        self.model = model
+        self.adopt = adopt
+
+    def settle(self) -> None:
+        """Plan what changed (``adopt``) or, without an adopter, leave it to the forward."""
+        if not self.changed or self.busy or self.adopt is None:
+            return
+        self.busy = True  # the walks below (and the adopter's) must not settle again
+        try:
+            try:  # also with nothing new: planned modules may have moved (renamed)
+                self.adopt(unplanned_modules(self.model))
+            except Exception:
+                self.adopt = None  # said once; from now on the forward refuses them
+                raise
+            self.changed = False
+        finally:
+            self.busy = False
 
 
 class _WatchedModules(dict):
@@ -75,6 +102,21 @@ class _WatchedModules(dict):
         super().clear()
 
 
+class _RootModules(_WatchedModules):
+    """The root's ``_modules``: a walk over the tree from the root starts here, and first
+    plans whatever changed since the last one."""
+
+    __slots__ = ()
+
+    def items(self) -> Any:
+        self.watch.settle()
+        return super().items()
+
+    def values(self) -> Any:
+        self.watch.settle()
+        return super().values()
+
+
 _MARK = "_tpcompile_planned"
 
 
@@ -90,14 +132,16 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def watch_tree(model: nn.Module) -> None:
-    """Record ``model``'s module tree as planned and refuse, at its next forward, any
-    module added or replaced after this call."""
-    watch = _Watch()
+def watch_tree(model: nn.Module, adopt: Callable[[list[str]], None] | None = None) -> None:
+    """Record ``model``'s module tree as planned; any module added or replaced after this
+    call is handed to ``adopt`` (it plans them or raises), or without one refused at the
+    next forward."""
+    watch = _Watch(model, adopt)
     for mod in model.modules():
         mod.__dict__[_MARK] = True
-        if not isinstance(mod._modules, _WatchedModules):
-            watched = _WatchedModules(mod._modules)
+        kind = _RootModules if mod is model else _WatchedModules
+        if type(mod._modules) is not kind:
+            watched = kind(mod._modules)
             watched.watch = watch
             mod._modules = watched
         else:
@@ -109,6 +153,9 @@ def watch_tree(model: nn.Module) -> None:
 
 def _check(model: nn.Module, args: tuple) -> None:
     watch = model._tpcompile_watch
+    if not watch.changed:
+        return
+    watch.settle()
     if not watch.changed:
         return
     found = unplanned_modules(model)

@@ -1,0 +1,287 @@
+"""Adapters on a transformed model (PEFT LoRA), in either order, exact.
+
+Over gloo at tp=2, against a single-process PEFT model built with the same seeds (so the
+adapters' random initialisation must match too):
+
+* ``get_peft_model`` *after* ``transform`` (llama eager and sdpa; gpt2's fused
+  ``c_attn`` Conv1D; phi3's fused ``qkv_proj`` / ``gate_up_proj``): the adapters are
+  planned from the adapted model's dataflow when PEFT first walks the model, so an
+  optimizer built right after holds the planned parameters; 3 AdamW losses (rel 1e-4)
+  and every gradient of step 1 in HF rows (1e-5); the same trainable parameters;
+* ``transform`` of a ``PeftModel`` (the other order): logits, loss, every gradient;
+* a hand-written adapter module is planned the same way; one that would re-split the
+  module under it, or one added after ``parallelize``, is refused naming it;
+* saving: adapter files (PEFT's format, HF shapes, rank 0) that plain PEFT loads onto an
+  untransformed base; ``PeftModel.from_pretrained(transformed_base, dir)``;
+  ``merge_and_unload`` (the merged TP model) and its ``save_pretrained`` loaded by plain
+  transformers — in both orders.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist import CaseResults, run_cases
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+import tpcompile
+from tpcompile import TPError
+from tpcompile.tools.presets import tiny_config
+
+pytest.importorskip("peft")
+
+TOL = 1e-5
+DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout")
+AFTER = {  # family, attention, LoRA targets (fused layouts included)
+    "llama_eager": ("llama", "eager", ["q_proj", "v_proj", "down_proj"]),
+    "llama_sdpa": ("llama", "sdpa", ["q_proj", "v_proj", "down_proj"]),
+    "gpt2_sdpa": ("gpt2", "sdpa", ["c_attn", "c_proj", "c_fc"]),
+    "phi3_eager": ("phi3", "eager", ["qkv_proj", "gate_up_proj", "o_proj"]),
+}
+
+
+def _build(name: str = "llama", attn: str = "sdpa") -> torch.nn.Module:
+    cfg = tiny_config(name)
+    for key in DROPOUTS:
+        if hasattr(cfg, key):
+            setattr(cfg, key, 0.0)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _lora(targets: list[str], **kw: Any) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, target_modules=targets, lora_dropout=0.0, **kw)
+
+
+def _hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient of a PEFT model around a transformed one, in HF rows (collective)."""
+    part = model.get_base_model()
+    prefix = next(n for n, m in model.named_modules() if m is part) + "."
+    table, tp = part.tpcompile_table, part.tpcompile_mesh.size()
+    out = {}
+    for name, p in part.named_parameters():
+        if p.grad is None:
+            continue
+        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        tmap = table.tensors.get(name)
+        if tmap is not None and tmap.sharded:
+            full = tmap.to_hf(list(full.chunk(tp, dim=tmap.shard_dim)))
+        out[prefix + name] = full
+    return out
+
+
+def _train(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], {}
+    for step in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if step == 0:
+            grads = (_hf_grads(model) if hasattr(model.get_base_model(), "tpcompile_table") else
+                     {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _after(rank: int, world: int, name: str, attn: str, targets: list[str]) -> dict:
+    """get_peft_model after transform vs a single-process PEFT model, same seeds."""
+    from peft import get_peft_model
+
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    base = _build(name, attn)
+    torch.manual_seed(1)
+    ref = get_peft_model(base, _lora(targets))
+    transformed = tpcompile.transform(_build(name, attn), tp=world)
+    torch.manual_seed(1)
+    model = get_peft_model(transformed, _lora(targets))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    dtensors = all(isinstance(p, DTensor) for n, p in model.named_parameters() if "lora_" in n)
+    ref_losses, ref_grads = _train(ref, ids)
+    losses, grads = _train(model, ids)
+    return {"losses": losses, "ref_losses": ref_losses, "dtensors": dtensors,
+            "trainable": trainable == sorted(n for n, p in ref.named_parameters() if p.requires_grad),
+            "n_trainable": len(trainable), "grad_keys": sorted(grads) == sorted(ref_grads),
+            "grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
+            "lora_split": sorted({str(p.placements[0]) for n, p in model.named_parameters() if "lora_" in n})}
+
+
+def _before(rank: int, world: int) -> dict:
+    """transform of a PeftModel: the adapters are planned with the rest."""
+    from peft import get_peft_model
+    from test_transform import grad_errors
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = get_peft_model(_build().eval(), _lora(["q_proj", "down_proj"], init_lora_weights=False))
+    model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+    r, o = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    r.loss.backward()
+    o.loss.backward()
+    q = model.tpcompile_plan.params["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    return {"logits": (r.logits - o.logits).abs().max().item(), "loss": (r.loss - o.loss).abs().item(),
+            "grads": max(grad_errors(model, ref, world).values()), "q_split": q.shard_dim,
+            "lora_grads": sum(1 for n, p in model.named_parameters() if "lora_" in n and p.grad is not None)}
+
+
+class _Adapter(torch.nn.Module):
+    """A LoRA-shaped wrapper added by hand: base(x) + B(A(x))."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.b = torch.nn.Linear(2, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+class _Whole(torch.nn.Module):
+    """A wrapper that needs the whole output of the module it wraps (a softmax over it)."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.scale = torch.nn.Parameter(torch.ones(base.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return y * self.scale * y.softmax(-1)
+
+
+def _by_hand(rank: int, world: int) -> dict:
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    ref, model = _build().eval(), tpcompile.transform(_build().eval(), tp=world)
+    model.lm_head = model.lm_head  # set back to itself: still the planned tree
+    for m in (ref, model):
+        attn = m.model.layers[0].self_attn
+        torch.manual_seed(2)
+        attn.q_proj = _Adapter(attn.q_proj)
+    with torch.no_grad():
+        out["by_hand"] = (model(ids).logits - ref(ids).logits).abs().max().item()
+    out["b_split"] = str(model.model.layers[0].self_attn.q_proj.b.weight.placements[0])
+    whole = tpcompile.transform(_build().eval(), tp=world)
+    whole.model.layers[1].mlp.up_proj = _Whole(whole.model.layers[1].mlp.up_proj)
+    for i in range(2):  # said when first seen, and again by the next forward
+        try:
+            whole(ids)
+        except TPError as err:
+            out[f"whole{i}"] = str(err)
+    fsdp = tpcompile.parallelize(_build().eval(), tp=world)
+    fsdp.model.layers[0].self_attn.q_proj = _Adapter(fsdp.model.layers[0].self_attn.q_proj)
+    try:
+        list(fsdp.parameters())
+    except TPError as err:
+        out["parallelized"] = str(err)
+    return out
+
+
+def _saves(rank: int, world: int, out: str, order: str) -> dict:
+    """Adapter files, loading onto a transformed base, merging and the merged save."""
+    from peft import PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    lora = _lora(["q_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    ref = get_peft_model(_build().eval(), lora)
+    if order == "before":
+        model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+    else:
+        torch.manual_seed(0)
+        model = get_peft_model(tpcompile.transform(_build().eval(), tp=world), lora)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    model.save_pretrained(f"{out}/adapter")  # every rank
+    result: dict = {}
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        result["logits"] = (model(input_ids=ids).logits - want).abs().max().item()
+    if rank == 0:
+        files = sorted(p.name for p in Path(f"{out}/adapter").iterdir())
+        saved = load_file(f"{out}/adapter/adapter_model.safetensors")
+        loaded = PeftModel.from_pretrained(_build().eval(), f"{out}/adapter")
+        with torch.no_grad():
+            err = (loaded(input_ids=ids).logits - want).abs().max().item()
+        shapes = {k: list(v.shape) for k, v in ref.state_dict().items() if "lora_" in k}
+        result.update(files=files, plain_load=err, tensors=len(saved), adapters=len(shapes),
+                      shapes=sorted({tuple(v.shape) for v in saved.values()}),
+                      want_shapes=sorted({tuple(s) for s in shapes.values()}))
+    import torch.distributed as dist
+
+    dist.barrier()
+    onto = PeftModel.from_pretrained(tpcompile.transform(_build().eval(), tp=world), f"{out}/adapter")
+    with torch.no_grad():
+        result["tp_load"] = (onto(input_ids=ids).logits - want).abs().max().item()
+    merged_ref = copy.deepcopy(ref).merge_and_unload()
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        result["merged"] = (merged(ids).logits - merged_ref(ids).logits).abs().max().item()
+    result["merged_plan"] = "model.layers.0.self_attn.q_proj.weight" in merged.tpcompile_plan.params
+    merged.save_pretrained(f"{out}/merged")  # every rank, gather-free
+    if rank == 0:
+        plain = AutoModelForCausalLM.from_pretrained(f"{out}/merged")
+        with torch.no_grad():
+            result["merged_saved"] = (plain(ids).logits - merged_ref(ids).logits).abs().max().item()
+    return result
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    cases: dict = {key: (_after, *spec) for key, spec in AFTER.items()}
+    for order in ("before", "after"):
+        cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
+    cases.update(before=(_before,), by_hand=(_by_hand,))
+    return run_cases(2, cases, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(AFTER))
+def test_lora_added_after_transform_trains_exactly(world2: CaseResults, case: str) -> None:
+    for r in world2[case]:
+        assert r["dtensors"] and r["trainable"] and r["grad_keys"], r
+        assert r["n_trainable"] >= 2 * 3 * tiny_config(AFTER[case][0]).num_hidden_layers  # A, B per target
+        assert r["grads"] < TOL, r
+        for got, want in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(got - want) <= 1e-4 * abs(want), r
+        # split like the bases they adapt: B with a column's output, A with a row's input
+        assert "S(0)" in r["lora_split"] and "S(1)" in r["lora_split"], r
+
+
+@pytest.mark.slow
+def test_lora_added_before_transform_trains_exactly(world2: CaseResults) -> None:
+    for r in world2["before"]:
+        assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
+        assert r["lora_grads"] == 4 * tiny_config("llama").num_hidden_layers  # A and B, two targets
+        assert r["q_split"] == 0, r  # the attention stays split; the LoRA rank is not
+
+
+@pytest.mark.slow
+def test_modules_added_by_hand_are_planned_or_refused_naming_them(world2: CaseResults) -> None:
+    for r in world2["by_hand"]:
+        assert r["by_hand"] < TOL and r["b_split"] == "S(0)", r
+        assert "model.layers.1.mlp.up_proj" in r["whole0"] and "changes how" in r["whole0"], r["whole0"]
+        assert "model.layers.1.mlp.up_proj (test_adapters._Whole)" in r["whole1"], r["whole1"]
+        assert "after tpcompile.parallelize" in r["parallelized"] and "q_proj" in r["parallelized"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_adapters_save_load_and_merge_in_peft_format(world2: CaseResults, order: str) -> None:
+    first = world2[f"save_{order}"][0]
+    assert "adapter_config.json" in first["files"] and "adapter_model.safetensors" in first["files"], first
+    assert not any(f.startswith("model") for f in first["files"]), first["files"]  # no full model
+    assert first["tensors"] == first["adapters"] and first["shapes"] == first["want_shapes"], first
+    assert first["plain_load"] < TOL and first["merged_saved"] < TOL, first
+    for r in world2[f"save_{order}"]:
+        assert r["logits"] < TOL and r["tp_load"] < TOL, r
+        assert r["merged"] < TOL and r["merged_plan"], r

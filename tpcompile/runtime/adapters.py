@@ -1,0 +1,186 @@
+"""Modules added to a transformed model (PEFT adapters): planned like the rest of it.
+
+``get_peft_model(tpcompile.transform(model, tp), config)`` wraps planned modules in
+adapter modules the plan never saw.  They are planned from the dataflow of the adapted
+model, exactly as if the adapters had been there at ``transform`` time:
+
+1. :func:`global_twin` builds a meta-device twin of the model as the user sees it:
+   every module, old and new, with the global (HF) shapes, no tpcompile hooks, and the
+   attributes tpcompile made rank-local set back to their global values;
+2. the composer plans the twin with the options ``transform`` was given;
+3. :func:`adopt_plan` checks that the parameters and modules planned before keep their
+   layout (adding an adapter never re-splits the model under it), then shards the new
+   parameters and installs their collectives with the same code ``transform`` uses.
+
+So a LoRA ``B`` after a column-parallel projection is split like the projection's output
+and reads its input through the TP region, a LoRA ``A`` before a row-parallel one is split
+like its input and its partial sum is reduced, and anything else the rules can place
+(IA3 vectors, DoRA magnitudes, ``modules_to_save`` copies) follows; what they cannot is
+a :class:`~tpcompile.errors.TPError` naming the module.
+
+For the twin to hold global shapes the adapters must be *created* at global size: PEFT
+sizes an adapter from the local shard of a DTensor weight (transformers' TP runs each
+module on its shard), but a tpcompile module keeps the global semantics of the
+untransformed model.  :func:`size_adapters_globally` makes PEFT read the global features
+of tpcompile-planned modules, so the adapters get the same shapes, and the same random
+initialisation, as on a single process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..analysis.fixups import global_config
+from ..errors import TPError
+from ..plan.modules import VocabEmbedding
+from ..plan.types import Plan
+from .apply import apply_plan
+
+__all__ = ["adopt_plan", "global_twin", "peft_module", "size_adapters_globally"]
+
+_PLANNED = "_tpcompile_planned"
+
+
+# ------------------------------------------------------------------ PEFT's adapter sizes
+
+
+def _global_features(original: Any) -> Any:
+    def in_out_features(module: nn.Module) -> Any:
+        if module.__dict__.get(_PLANNED) and isinstance(getattr(module, "weight", None), DTensor):
+            if isinstance(module, nn.Linear):
+                return module.in_features, module.out_features  # global: never localized
+            if isinstance(module, nn.Embedding):
+                return tuple(module.weight.shape)  # num_embeddings is the local row count
+        return original(module)
+
+    in_out_features._tpcompile_original = original
+    return in_out_features
+
+
+def size_adapters_globally() -> None:
+    """Make PEFT (if it is imported) size adapters of tpcompile-planned modules from their
+    global features; other modules are sized by PEFT's own rule.  Idempotent."""
+    utils = peft_module("peft.tuners.tuners_utils")
+    original = getattr(utils, "_get_in_out_features", None)
+    if original is None or hasattr(original, "_tpcompile_original"):
+        return
+    patched = _global_features(original)
+    # PEFT's tuner modules import the function by name: every binding of it is replaced
+    for name, mod in list(sys.modules.items()):
+        if (name == "peft" or name.startswith("peft.")) and getattr(mod, "_get_in_out_features", None) is original:
+            mod._get_in_out_features = patched
+
+
+def peft_module(name: str) -> Any:
+    """PEFT's module ``name`` if PEFT is installed (imported now: a user may import it
+    only after transform, and the adapters it then creates must already be sized right)."""
+    if "peft" not in sys.modules and importlib.util.find_spec("peft") is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # a PEFT without that module: its own sizing stays
+        return None
+
+
+# ------------------------------------------------------------------------ the twin
+
+
+def global_twin(model: nn.Module, plan: Plan) -> nn.Module:
+    """A meta-device copy of ``model`` as the untransformed model would be: global shapes,
+    no hooks, rank-local attributes set back to their global values.  ``plan`` is the plan
+    applied so far, under the model's current module names."""
+    clones: dict[int, nn.Module] = {}
+    tensors: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in tensors:
+            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            tensors[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+        return tensors[id(t)]
+
+    def clone(mod: nn.Module) -> nn.Module:
+        if id(mod) in clones:
+            return clones[id(mod)]
+        twin = object.__new__(type(mod))
+        clones[id(mod)] = twin
+        state = {k: v for k, v in mod.__dict__.items() if not _ours(k, v)}
+        for k, v in state.items():
+            if "hooks" in k and isinstance(v, dict):
+                state[k] = OrderedDict()  # tpcompile's collectives, state-dict hooks, guards
+        state["_parameters"] = {k: meta(p) for k, p in mod._parameters.items()}
+        state["_buffers"] = {k: meta(b) for k, b in mod._buffers.items()}
+        state["_modules"] = {k: None if c is None else clone(c) for k, c in dict.items(mod._modules)}
+        if "config" in state:
+            state["config"] = global_config(state["config"])
+        object.__setattr__(twin, "__dict__", state)
+        return twin
+
+    twin = clone(model)
+    mods = dict(twin.named_modules())
+    for name, mp in plan.modules.items():
+        mod = mods.get(name)
+        if mod is None:
+            continue
+        for attr, (glob, _) in mp.attr_fixups.items():
+            if not attr.startswith("config."):
+                setattr(mod, attr, glob)
+        if mp.op(VocabEmbedding) is not None and hasattr(mod, "num_embeddings"):
+            mod.num_embeddings = mod.weight.shape[0]
+    return twin
+
+
+def _ours(key: str, value: Any) -> bool:
+    """An instance attribute tpcompile set (its marks, bound methods, loss functions)."""
+    if key.startswith(("tpcompile", "_tpcompile")):
+        return True
+    fn = getattr(value, "__func__", value)
+    return callable(fn) and getattr(fn, "__module__", "").startswith("tpcompile.")
+
+
+# ------------------------------------------------------------------ applying the new plan
+
+
+def _layout(pp: Any) -> tuple:
+    return pp.shard_dim, pp.layout, pp.runs, tuple(pp.global_shape), pp.scope
+
+
+def adopt_plan(model: nn.Module, old: Plan, new: Plan, backend: Any) -> None:
+    """Apply the part of ``new`` (the adapted model's plan) that ``old`` (the applied one,
+    under today's names) does not cover; raise if a planned part would change."""
+    for fqn, pp in old.params.items():
+        now = new.params.get(fqn)
+        if now is None or _layout(now) != _layout(pp):
+            how = "keeps it replicated" if now is None or now.shard_dim is None else f"splits dim {now.shard_dim}"
+            raise TPError(
+                f"adding {_new_owner(new, old)} to the transformed model changes how {fqn} is split (now "
+                f"{'replicated' if pp.shard_dim is None else f'split along dim {pp.shard_dim}'}, the adapted "
+                f"model {how}); tpcompile does not re-split a model it applied. Add the adapters before "
+                "tpcompile.transform (get_peft_model(model, config) first, then transform the PeftModel)")
+    for name, mp in old.modules.items():
+        now = new.modules.get(name)
+        if now is None or now.ops != mp.ops:
+            raise TPError(
+                f"adding {_new_owner(new, old)} to the transformed model changes the collectives of {name} "
+                f"({mp.ops} -> {None if now is None else now.ops}); add the adapters before tpcompile.transform "
+                "(get_peft_model(model, config) first, then transform the PeftModel)")
+    added = replace(new, params={k: v for k, v in new.params.items() if k not in old.params},
+                    modules={k: v for k, v in new.modules.items() if k not in old.modules})
+    with torch.no_grad():
+        apply_plan(model, added, backend, root_hooks=False)
+    model.tpcompile_plan = new
+
+
+def _new_owner(new: Plan, old: Plan) -> str:
+    names = sorted({pp.module for k, pp in new.params.items() if k not in old.params})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") or "new modules"
