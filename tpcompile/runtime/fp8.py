@@ -140,7 +140,10 @@ def _shape_only(mod: nn.Module) -> nn.Module:
 
 def _cast(t: torch.Tensor, mod: TPFloat8Linear, cast: Any, role: Any, split: bool, axis: int) -> torch.Tensor:
     """``t`` in FP8, scaled by the amax of the whole tensor (MAX-reduced when ``split``)."""
-    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_scaling_utils import (
+        get_maybe_axiswise_dim,
+        hp_tensor_to_float8_dynamic,
+    )
 
     mesh = mod.fp8_mesh if split else None
     return hp_tensor_to_float8_dynamic(
