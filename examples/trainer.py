@@ -14,10 +14,11 @@ What it shows:
 1. ``tpcompile.transform(model, tp=N)`` when the world is one TP group, else
    ``tpcompile.parallelize(model, tp=N)`` (FSDP2 over the data-parallel ranks). Either
    marks the model so the Trainer leaves its parallelism alone (no DDP wrapper).
-2. ``Trainer(..., callbacks=[TPTrainerCallback()])``: the training data is sharded over
-   the data-parallel ranks only (the ranks of a TP group see the same batch), and every
-   checkpoint gets the optimizer, scheduler and RNG state. ``save_only_model=True`` is
-   what transformers asks of models that shard themselves; the callback adds the rest.
+2. A plain ``Trainer(...)``, no tpcompile lines: the training data is sharded over the
+   data-parallel ranks only (the ranks of a TP group see the same batch), and every
+   checkpoint gets the optimizer, scheduler and RNG state (tpcompile's Trainer support,
+   added to every Trainer once a model is transformed). ``save_only_model=True`` is what
+   transformers asks of models that shard themselves; tpcompile adds the rest.
 3. ``trainer.train(resume_from_checkpoint=True)`` when ``--output-dir`` holds a
    checkpoint: weights, AdamW state, LR schedule and data position are restored.
 4. ``trainer.save_model(<output-dir>/final)``: a plain HF directory that
@@ -35,7 +36,6 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 import tpcompile
-from tpcompile.integrations import TPTrainerCallback
 from tpcompile.tools.presets import tiny_config
 
 DATASET_SIZE = 10_000  # fixed, so a resumed run with more --steps sees the same shuffled order
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         report_to=[], use_cpu=not torch.cuda.is_available(), disable_tqdm=True, seed=0)
     vocab = model.config.vocab_size
     trainer = Trainer(model=model, args=training_args,
-                      train_dataset=Progressions(DATASET_SIZE, args.seq, vocab),
-                      callbacks=[TPTrainerCallback()])
+                      train_dataset=Progressions(DATASET_SIZE, args.seq, vocab))
     resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(args.output_dir, "final"))

@@ -34,7 +34,7 @@ def _dims(arg: object, nd: int) -> list[int]:
 
 @rule(
     aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.argmax,
-    aten.argmin, aten.var, aten.std, aten.logsumexp, aten.norm, aten.linalg_vector_norm,
+    aten.argmin, aten.var, aten.std, aten.logsumexp, aten.norm, aten.linalg_vector_norm, aten.linalg_norm,
     aten.prod, aten.any, aten.all, aten.var_mean, aten.topk, aten.sort, aten.cumsum,
 )
 def reduction(an: Analysis, node: torch.fx.Node) -> object:
@@ -61,7 +61,7 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
         out = an.feat(np.take(atoms, [0], axis=dim % nd)) if atoms.shape[dim % nd] > 1 else Feat(atoms)
         return [out, out] if packet is not aten.cumsum else out
     dims_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if packet in (aten.norm, aten.linalg_vector_norm):
+    if packet in (aten.norm, aten.linalg_vector_norm, aten.linalg_norm):
         dims_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     dims = _dims(dims_arg, nd)
     reduced = an.union_along(atoms, dims)

@@ -11,6 +11,8 @@ adapters' random initialisation must match too):
 * ``transform`` of a ``PeftModel`` (the other order): logits, loss, every gradient;
 * a hand-written adapter module is planned the same way; one that would re-split the
   module under it, or one added after ``parallelize``, is refused naming it;
+* other kinds: IA3 and LoRA on the embedding exact in both orders, ``modules_to_save``
+  exact when added first, DoRA refused naming why;
 * saving: adapter files (PEFT's format, HF shapes, rank 0) that plain PEFT loads onto an
   untransformed base; ``PeftModel.from_pretrained(transformed_base, dir)``;
   ``merge_and_unload`` (the merged TP model) and its ``save_pretrained`` loaded by plain
@@ -104,11 +106,12 @@ def _after(rank: int, world: int, name: str, attn: str, targets: list[str]) -> d
     transformed = tpcompile.transform(_build(name, attn), tp=world)
     torch.manual_seed(1)
     model = get_peft_model(transformed, _lora(targets))
+    replans = transformed.tpcompile_plan.stats.get("replans")
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     dtensors = all(isinstance(p, DTensor) for n, p in model.named_parameters() if "lora_" in n)
     ref_losses, ref_grads = _train(ref, ids)
     losses, grads = _train(model, ids)
-    return {"losses": losses, "ref_losses": ref_losses, "dtensors": dtensors,
+    return {"losses": losses, "ref_losses": ref_losses, "dtensors": dtensors, "replans": replans,
             "trainable": trainable == sorted(n for n, p in ref.named_parameters() if p.requires_grad),
             "n_trainable": len(trainable), "grad_keys": sorted(grads) == sorted(ref_grads),
             "grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
@@ -131,6 +134,43 @@ def _before(rank: int, world: int) -> dict:
     return {"logits": (r.logits - o.logits).abs().max().item(), "loss": (r.loss - o.loss).abs().item(),
             "grads": max(grad_errors(model, ref, world).values()), "q_split": q.shard_dim,
             "lora_grads": sum(1 for n, p in model.named_parameters() if "lora_" in n and p.grad is not None)}
+
+
+KINDS = {  # other adapter kinds: planned exactly, or refused with a TPError
+    "ia3": ("IA3Config", {"target_modules": ["k_proj", "down_proj"], "feedforward_modules": ["down_proj"]}),
+    "lora_embedding": ("LoraConfig", {"r": 4, "target_modules": ["embed_tokens", "q_proj"]}),
+    "modules_to_save": ("LoraConfig", {"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}),
+    "dora": ("LoraConfig", {"r": 4, "target_modules": ["q_proj", "down_proj"], "use_dora": True}),
+}
+
+
+def _kinds(rank: int, world: int) -> dict:
+    """Each kind in both orders: trained-looking adapter weights (random, copied from the
+    reference through the state dict), then logits and loss against one process."""
+    import peft
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    for kind, (cls, kw) in KINDS.items():
+        for order in ("after", "before"):
+            try:
+                torch.manual_seed(1)
+                ref = peft.get_peft_model(_build(), getattr(peft, cls)(**kw))
+                with torch.no_grad():
+                    for p in ref.parameters():
+                        if p.requires_grad:
+                            p.add_(torch.randn_like(p) * 0.1)
+                if order == "after":
+                    model = peft.get_peft_model(tpcompile.transform(_build(), tp=world), getattr(peft, cls)(**kw))
+                    model.load_state_dict(ref.state_dict(), strict=False)
+                else:
+                    model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+                a, b = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+                out[f"{kind}_{order}"] = ("exact", max((a.logits - b.logits).abs().max().item(),
+                                                       (a.loss - b.loss).abs().item()))
+            except TPError as err:
+                out[f"{kind}_{order}"] = ("refused", str(err))
+    return out
 
 
 class _Adapter(torch.nn.Module):
@@ -240,7 +280,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases: dict = {key: (_after, *spec) for key, spec in AFTER.items()}
     for order in ("before", "after"):
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
-    cases.update(before=(_before,), by_hand=(_by_hand,))
+    cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,))
     return run_cases(2, cases, timeout=900)
 
 
@@ -249,6 +289,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
 def test_lora_added_after_transform_trains_exactly(world2: CaseResults, case: str) -> None:
     for r in world2[case]:
         assert r["dtensors"] and r["trainable"] and r["grad_keys"], r
+        assert r["replans"] == 1, r  # every adapter of one get_peft_model planned at once
         assert r["n_trainable"] >= 2 * 3 * tiny_config(AFTER[case][0]).num_hidden_layers  # A, B per target
         assert r["grads"] < TOL, r
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
@@ -263,6 +304,19 @@ def test_lora_added_before_transform_trains_exactly(world2: CaseResults) -> None
         assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
         assert r["lora_grads"] == 4 * tiny_config("llama").num_hidden_layers  # A and B, two targets
         assert r["q_split"] == 0, r  # the attention stays split; the LoRA rank is not
+
+
+@pytest.mark.slow
+def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
+    for r in world2["kinds"]:
+        for case in ("ia3_after", "ia3_before", "lora_embedding_after", "lora_embedding_before",
+                     "modules_to_save_before"):
+            assert r[case][0] == "exact" and r[case][1] < TOL, (case, r[case])
+        # a copy of the LM head beside it cannot keep the head's vocabulary split: said, not guessed
+        assert r["modules_to_save_after"][0] == "refused" and "lm_head" in r["modules_to_save_after"][1], r
+        # DoRA's magnitude reads the sharded base weight: refused in both orders, naming why
+        assert r["dora_after"][0] == "refused" and "DoRA" in r["dora_after"][1], r
+        assert r["dora_before"][0] == "refused" and "lora_magnitude_vector" in r["dora_before"][1], r
 
 
 @pytest.mark.slow

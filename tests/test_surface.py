@@ -30,7 +30,8 @@ PUBLIC = {
                           "data_parallel_rank", "offload_activations"],
     "tpcompile.checkpoint": ["SaveHandle", "hf_state_dict", "latest", "load", "load_hf_weights", "save",
                              "save_pretrained"],
-    "tpcompile.integrations": ["STATE_DIR", "TPTrainerCallback", "data_mesh", "prepare"],
+    "tpcompile.integrations": ["STATE_DIR", "TPTrainerCallback", "TrainerSupport", "data_mesh", "prepare",
+                               "support_trainers"],
     "tpcompile.tools": ["WorkerFailed", "estimate_cost", "free_port", "shrink_config", "spawn_local", "verify"],
     "tpcompile.rules": ["Mixes", "Rule", "RuleSet", "TokenRule", "Tokens", "default_rules", "rule", "token_rule"],
     "tpcompile.config": [
@@ -66,8 +67,9 @@ STAGES = [
     ("tpcompile.plan",),
     ("tpcompile.runtime",),
     ("tpcompile.checkpoint",),
+    ("tpcompile.integrations",),
     ("tpcompile.compose", "tpcompile.api", "tpcompile"),
-    ("tpcompile.integrations", "tpcompile.smp"),
+    ("tpcompile.smp",),
     ("tpcompile.tools", "tpcompile.__main__"),
 ]
 # the one allowed exception: a deprecated alias, resolved lazily (removed next release)

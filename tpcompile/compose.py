@@ -34,6 +34,7 @@ from .checkpoint.hf_methods import bind_save_pretrained, route_peft_saves
 from .checkpoint.pretrained import CheckpointLoader, scatter_from_rank0
 from .config import ParallelConfig
 from .errors import TPError
+from .integrations.hf import support_trainers
 from .plan import Plan, build_table
 from .plan.types import renamed_fqn
 from .runtime import activations
@@ -41,7 +42,7 @@ from .runtime.adapters import adopt_plan, global_twin, size_adapters_globally
 from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.experts import shard_experts
 from .runtime.fsdp import fully_shard_model
-from .runtime.guard import watch_tree
+from .runtime.guard import planned_names, watch_tree
 from .runtime.loss import install_local_loss, install_loss_parallel
 from .runtime.markers import mark_model
 from .runtime.materialize import Materializer
@@ -175,6 +176,7 @@ def mark(job: Job) -> None:
     """9. What the HF Trainer / accelerate read to leave the model's parallelism alone,
     and the guard that plans (or refuses) modules added after planning (runtime/guard.py)."""
     mark_model(job.model)
+    support_trainers()
     size_adapters_globally()
     route_peft_saves()
     _watch(job)
@@ -182,7 +184,7 @@ def mark(job: Job) -> None:
 
 
 def _watch(job: Job) -> None:
-    job.names = {id(m): n for n, m in job.model.named_modules()}
+    job.names = planned_names(job.model)
     watch_tree(job.model, adopt=lambda found: adopt_new_modules(job, found))
 
 
@@ -191,7 +193,7 @@ def adopt_new_modules(job: Job, found: list[str]) -> None:
     model is planned from its own dataflow with the job's options, the new parameters are
     sharded and hooked; what was planned before must keep its layout."""
     model = job.model
-    now = {id(m): n for n, m in model.named_modules()}
+    now = planned_names(model)
     new_name = {old: now.get(i) for i, old in job.names.items()}
     if not found:  # planned modules only moved (PEFT's merge_and_unload put the bases back)
         if any(old != new for old, new in new_name.items()):
@@ -214,6 +216,7 @@ def adopt_new_modules(job: Job, found: list[str]) -> None:
         old = model.tpcompile_plan.renamed(new_name.get, job.plan.model_class)
         twin = global_twin(model, old)
         new = job.replan(twin)
+        new.stats["replans"] = job.plan.stats.get("replans", 0) + 1  # once per PEFT injection
         adopt_plan(model, old, new, job.backend)
         model.tpcompile_table = build_table(twin, new)
         job.plan = new

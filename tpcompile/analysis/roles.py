@@ -189,6 +189,16 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set:
             new |= set(f.blocks)
     if new:  # the output head may only show up once those are replicated
         return new
+    for e in an.embeddings:
+        owner = e.fqn.rpartition(".")[0]
+        if e.module == "" or owner.startswith(e.module + "."):
+            # a module looking up its child's table in its own forward (PEFT's LoRA
+            # embedding: F.embedding(ids, lora_A.T) beside base_layer(ids)): the masked
+            # lookup and all-reduce of a vocab-parallel table wrap a whole module's
+            # forward, so this table stays replicated
+            new.add((e.fqn, an.atoms.by_key_of(e.atoms)))
+    if new:
+        return new
     out_set = set(np.unique(outputs[outputs >= 0]).tolist())
     vocab_sizes = {int(c.atoms.size) for c in an.columns if int(c.atoms[0]) in out_set}
     for e in an.embeddings:

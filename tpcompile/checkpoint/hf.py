@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import TPError
 from ..plan.table import TensorMap, TranslationTable
+from ..runtime.guard import settle
 from ..runtime.shards import (
     TPContext,
     assign_tp_local,
@@ -57,6 +58,7 @@ META_NAME = "tpcompile.json"
 def table_of(model: nn.Module, *, plain_ok: bool = False) -> TranslationTable:
     """The model's translation table; ``plain_ok``: an untransformed model gets a tp=1
     table (so training checkpoints load into a plain single-process model too)."""
+    settle(model)  # modules moved since the last walk (a PEFT merge): the table follows them
     table = getattr(model, "tpcompile_table", None)
     if table is None and plain_ok:
         from ..plan.table import build_table

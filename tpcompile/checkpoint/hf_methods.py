@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from ..runtime.adapters import peft_module
+from ..runtime.adapters import when_imported
 from ..runtime.shards import lookup, world
 
 __all__ = ["bind_save_pretrained", "route_peft_saves"]
@@ -77,9 +77,12 @@ def _is_peft_model(model: nn.Module) -> bool:
 def route_peft_saves() -> None:
     """``PeftModel.save_pretrained`` of a PeftModel wrapped around a transformed model
     (``get_peft_model`` after ``transform``) writes through :func:`_save_adapters` too.
-    PEFT's own would hand DTensor shards to safetensors.  Idempotent; PEFT not installed:
-    nothing to do."""
-    peft_model = peft_module("peft.peft_model")
+    PEFT's own would hand DTensor shards to safetensors.  Done when PEFT is imported;
+    idempotent."""
+    when_imported("peft.peft_model", _patch_peft_save)
+
+
+def _patch_peft_save(peft_model: Any) -> None:
     cls = getattr(peft_model, "PeftModel", None)
     if cls is None or hasattr(cls.save_pretrained, "_tpcompile_original"):
         return

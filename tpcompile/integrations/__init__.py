@@ -6,9 +6,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .hf import STATE_DIR, TPTrainerCallback, data_mesh, prepare
+from .hf import STATE_DIR, TPTrainerCallback, TrainerSupport, data_mesh, prepare, support_trainers
 
-__all__ = ["STATE_DIR", "TPTrainerCallback", "data_mesh", "prepare"]
+__all__ = ["STATE_DIR", "TPTrainerCallback", "TrainerSupport", "data_mesh", "prepare", "support_trainers"]
 
 
 def __getattr__(name: str) -> Any:

@@ -60,7 +60,8 @@ try:  # transformers is a dependency; the callback base class comes from it
 except ImportError:  # pragma: no cover
     TrainerCallback = object  # type: ignore[assignment,misc]
 
-__all__ = ["STATE_DIR", "TPTrainerCallback", "data_mesh", "mark_model", "prepare"]
+__all__ = ["STATE_DIR", "TPTrainerCallback", "TrainerSupport", "data_mesh", "mark_model", "prepare",
+           "support_trainers"]
 
 STATE_DIR = "tpcompile-state"  # inside each Trainer checkpoint: optimizer + scheduler
 
@@ -98,6 +99,31 @@ def _set_accelerate_mesh(model: nn.Module) -> None:
                       "its own parallelism: drop parallelism_config / the accelerate parallelism settings")
     mesh._tpcompile_data_mesh = True  # ours: a later Trainer / model in this process may replace it
     state.device_mesh = mesh  # prepare_data_loader: process index // tp, dp processes
+    rep, shard, tp = _degrees_of(model)
+    if tp > 1 and (getattr(state, "parallelism_config", None) is None or _is_ours(state)):
+        state.parallelism_config = _degrees_config(rep, shard, tp, mesh)
+
+
+def _is_ours(state: Any) -> bool:
+    return getattr(getattr(state, "parallelism_config", None), "_tpcompile", False)
+
+
+def _degrees_config(rep: int, shard: int, tp: int, mesh: DeviceMesh) -> Any:
+    """A ``ParallelismConfig`` that reports the model's degrees to the Trainer and TRL (they
+    read ``tp_size`` to count a TP group's batch once) but is falsy, so accelerate itself
+    (``if accelerator.parallelism_config:``) neither validates it against a CPU run nor
+    prepares the model as one of its own TP models."""
+    from accelerate import ParallelismConfig
+
+    class AttachedParallelism(ParallelismConfig):
+        _tpcompile = True
+
+        def __bool__(self) -> bool:
+            return False
+
+    config = AttachedParallelism(dp_replicate_size=rep, dp_shard_size=shard, tp_size=tp)
+    config.device_mesh = mesh  # the model's: accelerate builds none of its own
+    return config
 
 
 def prepare(accelerator: Any, model: nn.Module, *objects: Any) -> tuple[Any, ...]:
@@ -131,50 +157,49 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
 
 
-class TPTrainerCallback(TrainerCallback):
-    """Makes ``transformers.Trainer`` train, checkpoint and resume a tpcompile model.
+class TrainerSupport(TrainerCallback):
+    """What makes ``transformers.Trainer`` (and TRL's trainers, built on it) train,
+    checkpoint and resume a tpcompile model with no extra lines: it is added to every
+    Trainer's default callbacks once a model is transformed (:func:`support_trainers`), and
+    does nothing for other models.
 
-    * ``on_init_end``: accelerate shards the training data over the data-parallel ranks
-      only (the model's mesh), so every rank of a TP group sees the same batch.
+    * ``on_init_end``: accelerate learns the model's parallelism the way it knows its own
+      TP: the model's mesh (data sharded over the data-parallel ranks only, every rank of
+      a TP group sees the same batch) and a ``ParallelismConfig`` of the same degrees,
+      which the Trainer and TRL read to count each TP group's batch once (logged token
+      counts, throughput).  accelerate's own ``ParallelismConfig`` route would build a
+      second mesh and refuses CPU processes, so the config is attached, not built.
     * ``on_save`` (every rank): beside the model the Trainer saved, writes the optimizer
       and scheduler state into ``checkpoint-<step>/tpcompile-state`` (a ``sharded``
       tpcompile checkpoint: reloads at any tp / dp) and each rank's RNG state in the
       Trainer's own ``rng_state_<rank>.pth`` format.
     * ``on_train_begin`` after ``resume_from_checkpoint``: restores the optimizer and
       scheduler (the Trainer restores the weights, its state and the RNG itself).
+    * ``on_step_end``: the Trainer's ``num_input_tokens_seen`` counts each TP group's
+      batch once.
 
     transformers refuses optimizer checkpoints for models that shard themselves (its
     ``optimizer.pt`` is one process's ``torch.save``), so pass ``save_only_model=True``:
     the Trainer then writes the model and its state, and this callback the rest.
-
-    Example:
-        >>> trainer = Trainer(model=tpcompile.transform(model, tp=2),         # doctest: +SKIP
-        ...                   args=TrainingArguments("out", save_only_model=True, save_steps=50),
-        ...                   train_dataset=ds, callbacks=[TPTrainerCallback()])
-        >>> trainer.train(resume_from_checkpoint=True)
     """
+
+    def __init__(self) -> None:
+        self._tokens_seen = 0  # the Trainer's count after the last step, corrected
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                     **kwargs: Any) -> None:
-        if model is None:
-            raise TPError("TPTrainerCallback needs the Trainer's model (Trainer(model=...), not model_init)")
-        _set_accelerate_mesh(model)
-
-    def on_save(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
-                optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
-        from ..checkpoint import training
-
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        extra = {"global_step": state.global_step}
-        if lr_scheduler is not None:
-            extra["scheduler"] = _jsonable(lr_scheduler.state_dict(), type(lr_scheduler).__name__)
-        training.save(folder / STATE_DIR, model, _unwrap_optimizer(optimizer), kind="sharded", extra=extra)
-        _save_rng(folder, args)
+        model = _transformed(model)
+        if model is not None:
+            _set_accelerate_mesh(model)
+        else:  # a plain model after a tpcompile one in this process: accelerate's own view
+            _forget_degrees()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
-        if state.global_step == 0:
-            return  # a fresh run (a resumed one starts at the checkpoint's step)
+        self._tokens_seen = state.num_input_tokens_seen
+        model = _transformed(model)
+        if model is None or state.global_step == 0:
+            return  # not ours, or a fresh run (a resumed one starts at the checkpoint's step)
         from ..checkpoint import training
 
         folder = _resume_folder(args, state.global_step)
@@ -184,6 +209,77 @@ class TPTrainerCallback(TrainerCallback):
                           f"step {state.global_step}")
         if lr_scheduler is not None and "scheduler" in extra:
             lr_scheduler.load_state_dict(extra["scheduler"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                    **kwargs: Any) -> None:
+        model = _transformed(model)
+        if model is not None and state.num_input_tokens_seen != self._tokens_seen:
+            # gathered over every process: each TP group's batch was counted tp times
+            seen = state.num_input_tokens_seen - self._tokens_seen
+            state.num_input_tokens_seen = self._tokens_seen + seen // _degrees_of(model)[2]
+        self._tokens_seen = state.num_input_tokens_seen
+
+    def on_save(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
+        model = _transformed(model)
+        if model is None:
+            return
+        from ..checkpoint import training
+
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        extra = {"global_step": state.global_step}
+        if lr_scheduler is not None:
+            extra["scheduler"] = _jsonable(lr_scheduler.state_dict(), type(lr_scheduler).__name__)
+        training.save(folder / STATE_DIR, model, _unwrap_optimizer(optimizer), kind="sharded", extra=extra)
+        _save_rng(folder, args)
+
+
+def _forget_degrees() -> None:
+    """Drop the degrees a tpcompile model left in accelerate's (process-wide) state."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:  # pragma: no cover
+        return
+    state = AcceleratorState()
+    if _is_ours(state):
+        state.parallelism_config = None
+
+
+class TPTrainerCallback(TrainerCallback):
+    """Kept so existing ``Trainer(callbacks=[TPTrainerCallback()])`` lines still run: the
+    Trainer now supports tpcompile models by itself (:class:`TrainerSupport`), so this
+    callback does nothing."""
+
+
+def support_trainers() -> None:
+    """Add :class:`TrainerSupport` to the callbacks every ``transformers.Trainer`` starts
+    with (its ``DEFAULT_CALLBACKS``).  Idempotent; called by ``transform`` / ``parallelize``."""
+    try:
+        from transformers import trainer
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    if not any(cb is TrainerSupport or isinstance(cb, TrainerSupport) for cb in trainer.DEFAULT_CALLBACKS):
+        trainer.DEFAULT_CALLBACKS.append(TrainerSupport)
+
+
+def _transformed(model: nn.Module | None) -> nn.Module | None:
+    """The tpcompile model the Trainer trains (itself, or the base a PEFT model wraps)."""
+    seen = 0
+    while model is not None and seen < 4:
+        if "tpcompile_mesh" in model.__dict__:
+            return model
+        get_base = getattr(type(model), "get_base_model", None)
+        model = get_base(model) if get_base is not None else getattr(model, "module", None)
+        seen += 1
+    return None
+
+
+def _degrees_of(model: nn.Module) -> tuple[int, int, int]:
+    mesh: DeviceMesh = model.tpcompile_mesh
+    if mesh.ndim == 1:
+        return 1, 1, mesh.size()
+    names = mesh.mesh_dim_names
+    return tuple(mesh[n].size() for n in ("dp_replicate", "dp_shard", "tp")) if names else (1, 1, mesh.size())
 
 
 def _resume_folder(args: Any, step: int) -> Path:

@@ -28,10 +28,11 @@ initialisation, as on a single process.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import importlib.abc
+import importlib.machinery
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -44,8 +45,9 @@ from ..errors import TPError
 from ..plan.modules import VocabEmbedding
 from ..plan.types import Plan
 from .apply import apply_plan
+from .guard import held, settle
 
-__all__ = ["adopt_plan", "global_twin", "peft_module", "size_adapters_globally"]
+__all__ = ["adopt_plan", "global_twin", "size_adapters_globally", "when_imported"]
 
 _PLANNED = "_tpcompile_planned"
 
@@ -67,28 +69,88 @@ def _global_features(original: Any) -> Any:
 
 
 def size_adapters_globally() -> None:
-    """Make PEFT (if it is imported) size adapters of tpcompile-planned modules from their
-    global features; other modules are sized by PEFT's own rule.  Idempotent."""
-    utils = peft_module("peft.tuners.tuners_utils")
+    """Make PEFT size adapters of tpcompile-planned modules from their global features;
+    other modules are sized by PEFT's own rule.  Done when PEFT is imported (now, if it
+    already is); idempotent."""
+    when_imported("peft.tuners.tuners_utils", _patch_sizing)
+    when_imported("peft.tuners.tuners_utils", _patch_injection)
+
+
+def _patch_injection(utils: Any) -> None:
+    """One PEFT injection is one change: PEFT reads ``next(model.parameters())`` before
+    each adapter it adds, and each such walk would re-plan the model."""
+    tuner = getattr(utils, "BaseTuner", None)
+    inject = getattr(tuner, "inject_adapter", None)
+    if inject is None or hasattr(inject, "_tpcompile_original"):
+        return
+
+    def inject_adapter(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with held():
+                out = inject(self, model, *args, **kwargs)
+        except RuntimeError as err:
+            if "_tpcompile_watch" not in model.__dict__ or "mixed torch.Tensor and DTensor" not in str(err):
+                raise
+            raise TPError(
+                f"PEFT computes with the sharded weights of the transformed model while it creates this "
+                f"adapter ({type(self).__name__}: {err}); DoRA's magnitude vector does. Add this adapter "
+                "before tpcompile.transform (get_peft_model(model, config) first, then transform the PeftModel; "
+                "strict=False keeps the modules it adapts replicated)") from err
+        settle(model)
+        return out
+
+    inject_adapter._tpcompile_original = inject
+    tuner.inject_adapter = inject_adapter
+
+
+def _patch_sizing(utils: Any) -> None:
     original = getattr(utils, "_get_in_out_features", None)
     if original is None or hasattr(original, "_tpcompile_original"):
         return
     patched = _global_features(original)
-    # PEFT's tuner modules import the function by name: every binding of it is replaced
+    # PEFT's tuner modules import the function by name: every binding made so far is
+    # replaced, and the ones made later import the patched function
     for name, mod in list(sys.modules.items()):
         if (name == "peft" or name.startswith("peft.")) and getattr(mod, "_get_in_out_features", None) is original:
             mod._get_in_out_features = patched
 
 
-def peft_module(name: str) -> Any:
-    """PEFT's module ``name`` if PEFT is installed (imported now: a user may import it
-    only after transform, and the adapters it then creates must already be sized right)."""
-    if "peft" not in sys.modules and importlib.util.find_spec("peft") is None:
-        return None
-    try:
-        return importlib.import_module(name)
-    except ImportError:  # a PEFT without that module: its own sizing stays
-        return None
+_PENDING: dict[str, list[Callable[[Any], None]]] = {}
+
+
+def when_imported(name: str, fn: Callable[[Any], None]) -> None:
+    """Call ``fn(module)`` once module ``name`` is imported: now if it is, else right after
+    its import (a third-party package a user may import only after ``transform``, left
+    unimported for users who never do)."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        fn(mod)
+        return
+    if fn not in _PENDING.setdefault(name, []):
+        _PENDING[name].append(fn)
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs the :func:`when_imported` callbacks of a module right after it executes."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _PENDING:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, callbacks = spec.loader, _PENDING.pop(name)
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            for fn in callbacks:
+                fn(module)
+
+        loader.exec_module = exec_module
+        return spec
 
 
 # ------------------------------------------------------------------------ the twin

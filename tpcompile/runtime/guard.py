@@ -26,14 +26,15 @@ its base's device) do not trigger it, so one re-plan covers every adapter inject
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 
 from ..errors import TPError
 
-__all__ = ["unplanned_modules", "watch_tree"]
+__all__ = ["held", "planned_names", "settle", "unplanned_modules", "watch_tree"]
 
 # wrappers that only rename a subtree: FSDP1, checkpoint_wrapper, offload_wrapper,
 # torch.compile
@@ -54,7 +55,7 @@ class _Watch:
 
     def settle(self) -> None:
         """Plan what changed (``adopt``) or, without an adopter, leave it to the forward."""
-        if not self.changed or self.busy or self.adopt is None:
+        if not self.changed or self.busy or self.adopt is None or _HELD[0]:
             return
         self.busy = True  # the walks below (and the adopter's) must not settle again
         try:
@@ -102,6 +103,28 @@ class _WatchedModules(dict):
         super().clear()
 
 
+_HELD = [0]  # > 0: a multi-step change is under way (held), walks do not settle it
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Changes made inside are one change: walks of the tree in between (PEFT looks at
+    the model's parameters before each adapter it injects) do not plan them one by one;
+    :func:`settle` after the block does, once."""
+    _HELD[0] += 1
+    try:
+        yield
+    finally:
+        _HELD[0] -= 1
+
+
+def settle(model: nn.Module) -> None:
+    """Plan the changes made to a watched ``model`` now (a no-op for other models)."""
+    watch = model.__dict__.get("_tpcompile_watch")
+    if watch is not None:
+        watch.settle()
+
+
 class _RootModules(_WatchedModules):
     """The root's ``_modules``: a walk over the tree from the root starts here, and first
     plans whatever changed since the last one."""
@@ -118,6 +141,23 @@ class _RootModules(_WatchedModules):
 
 
 _MARK = "_tpcompile_planned"
+
+
+def planned_names(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> name`` with the segments of renaming wrappers left out (an FSDP1 or
+    checkpoint-wrapped block keeps the name it was planned under)."""
+    names: dict[int, str] = {}
+    todo = [("", model)]
+    while todo:
+        name, mod = todo.pop()
+        if id(mod) in names:
+            continue
+        names[id(mod)] = name
+        wrapper = type(mod).__name__ in _WRAPPER_CLASSES
+        for key, child in dict.items(mod._modules):
+            if child is not None:
+                todo.append((name if wrapper else f"{name}.{key}" if name else key, child))
+    return names
 
 
 def unplanned_modules(model: nn.Module) -> list[str]:

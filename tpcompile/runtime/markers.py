@@ -89,8 +89,9 @@ class _InputGuard:
         if differ:
             raise TPError(
                 f"the ranks of a tensor-parallel group received different batches (TP-group ranks {differ} differ "
-                "from its first rank); every rank of a TP group must see the same inputs. With the HF Trainer add "
-                "callbacks=[tpcompile.integrations.TPTrainerCallback()]; with accelerate use "
+                "from its first rank); every rank of a TP group must see the same inputs. The HF Trainer does this "
+                "itself once the model is transformed (tpcompile adds its TrainerSupport callback to every "
+                "Trainer; do not remove it); with accelerate use "
                 "tpcompile.integrations.prepare(accelerator, model, ...); in your own loop give each rank the "
                 "slice tpcompile.data_parallel_rank(model) names")
 
