@@ -95,10 +95,43 @@ def _storage(rank: int, world: int, out: str) -> dict:
     return result
 
 
+def _all_reduces(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    """All-reduces in one forward and one backward, as issued (CommDebugMode sees the
+    functional collectives torchao's amax uses and the c10d ones of the TP hooks)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model(input_ids=ids, labels=ids).loss.backward()  # warm-up: first-forward checks
+    counts = []
+    with CommDebugMode() as mode:
+        loss = model(input_ids=ids, labels=ids).loss
+    counts.append(sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op)))
+    with CommDebugMode() as mode:
+        loss.backward()
+    counts.append(sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op)))
+    return counts[0], counts[1]
+
+
+def _counted(rank: int, world: int) -> dict:
+    """FP8's extra all-reduces as run equal the cost model's (``dump-plan --fp8``)."""
+    from tpcompile.tools.cost import estimate_cost
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    ran = [_all_reduces(tpcompile.transform(_build("llama", "sdpa"), tp=world, fp8=fp8), ids) for fp8 in (None, True)]
+    with torch.device("meta"):
+        meta = _build("llama", "sdpa")
+    plan = tpcompile.plan_model(meta, tp=world)
+    priced = []
+    for fp8 in (False, True):
+        steps = estimate_cost(meta, plan, fp8=fp8)["per_step"]
+        priced.append((steps["forward"]["all_reduce"]["count"], steps["backward"]["all_reduce"]["count"]))
+    return {"ran": [b - a for a, b in zip(*ran, strict=True)], "priced": [b - a for a, b in zip(*priced, strict=True)]}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases: dict = {key: (_tp, *spec) for key, spec in CASES.items()}
     cases["storage"] = (_storage, str(tmp_path_factory.mktemp("fp8")))
+    cases["counted"] = (_counted,)
     return run_cases(2, cases, timeout=900)
 
 
@@ -134,3 +167,9 @@ def test_fp8_is_a_compute_setting_not_a_storage_one(world2: CaseResults) -> None
         assert "rowwise" in r["errors"][0] and "tensorwise" in r["errors"][0], r
         assert "fp8 must be True" in r["errors"][1], r
     assert world2["storage"][0]["saved"] == 0.0
+
+
+@pytest.mark.slow
+def test_fp8_amax_reductions_are_priced_as_they_run(world2: CaseResults) -> None:
+    for r in world2["counted"]:
+        assert r["ran"] == r["priced"] and r["ran"][0] > 0 and r["ran"][1] > 0, r

@@ -230,7 +230,8 @@ def parallelize(
                  sharding_strategy=sharding_strategy,
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing,
-                 activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed)
+                 activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed,
+                 fp8=fp8)
     defaults = {k: p.default for k, p in inspect.signature(parallelize).parameters.items()}
     explicit = {k: v for k, v in given.items() if not _is_default(v, defaults[k])}
     if not dist.is_available() or not dist.is_initialized():
@@ -260,7 +261,7 @@ def parallelize(
     tp_mesh = mesh["tp"] if cfg.tp > 1 else None
     backend = make_backend("auto", tp_mesh) if tp_mesh is not None else None
     return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
-                       device=device, pending=pending, fp8=fp8, fp8_filter=fp8_filter))
+                       device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter))
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -103,7 +103,8 @@ def mixed_precision_policy(value: Any) -> MixedPrecisionPolicy | None:
             return None
         if key not in _DTYPES:
             raise TPError(f"mixed_precision {value!r} is not supported; use None/'no', 'bf16', 'fp16', "
-                          "a torch dtype or a torch.distributed.fsdp.MixedPrecisionPolicy (fp8 is not wired in)")
+                          "a torch dtype or a torch.distributed.fsdp.MixedPrecisionPolicy (FP8 matmuls are fp8=True, "
+                          "through torchao)")
         value = _DTYPES[key]
     if isinstance(value, torch.dtype):
         if value == torch.float32:
@@ -140,6 +141,9 @@ class ParallelConfig:
     activation_offloading: bool = False
     loading_horizon: int = 2
     seed: int | None = None
+    # FP8 matmuls through torchao (runtime/fp8.py): True / "tensorwise" / "rowwise" / a
+    # torchao Float8LinearConfig; None: off
+    fp8: Any = None
     checkpoint: CheckpointKind = CheckpointKind.SHARDED
     load_from_rank0: bool = False  # every rank takes rank 0's weights (other ranks may be meta)
     wrap_classes: tuple[str, ...] = ()  # if given, must be the classes of the blocks found
@@ -158,6 +162,7 @@ class ParallelConfig:
         _check_int("dp_shard", self.dp_shard, minimum=-1, forbid=0)
         _check_int("dp_replicate", self.dp_replicate, minimum=-1, forbid=0)
         _check_int("loading_horizon", self.loading_horizon, minimum=1)
+        object.__setattr__(self, "fp8", _fp8(self.fp8))
         if self.dp_shard == -1 and self.dp_replicate == -1:
             raise TPError("only one of dp_shard and dp_replicate can be -1 ('the rest of the world')")
         for name in ("cpu_offload", "activation_checkpointing", "activation_offloading", "load_from_rank0",
@@ -348,6 +353,41 @@ def _fsdp_version(v: Any) -> dict[str, Any]:
     return {}  # both map onto FSDP2: an FSDP1 strategy name means the same reshard choice
 
 
+def _fp8(v: Any) -> Any:
+    """``fp8`` as given (checked): off, a recipe name, or torchao's config object."""
+    if v is None or v is False:
+        return None
+    if v is True or (isinstance(v, str) and v.strip().lower() in ("tensorwise", "rowwise", "true")):
+        return True if v is True or v.strip().lower() == "true" else v.strip().lower()
+    if type(v).__name__ == "Float8LinearConfig":
+        return v
+    raise TPError(f"fp8 must be True, 'tensorwise', 'rowwise' or a torchao.float8.Float8LinearConfig, got {v!r}")
+
+
+def _accelerate_precision(v: Any) -> dict[str, Any]:
+    """accelerate's ``mixed_precision``: ``fp8`` is tpcompile's FP8 matmuls (torchao),
+    the rest a parameter dtype for FSDP2."""
+    if isinstance(v, str) and v.strip().lower() == "fp8":
+        return {"fp8": True}
+    return {"mixed_precision": mixed_precision_policy(v)}
+
+
+_FP8_BACKENDS = ("AO",)
+
+
+def _fp8_config(v: Any) -> dict[str, Any]:
+    """accelerate's ``fp8_config``: only the torchao backend (``AO``) exists here."""
+    if not v:
+        return {}
+    if not isinstance(v, dict):
+        raise TPError(f"fp8_config must be a mapping, got {v!r}")
+    backend = str(v.get("backend", "AO")).upper()
+    if backend not in _FP8_BACKENDS:
+        raise TPError(f"fp8_config backend {backend!r} is not supported: tpcompile's FP8 is torchao's float8 "
+                      "training (backend: AO); Transformer Engine and MS-AMP cannot be used here")
+    return {}
+
+
 def _empty(what: str) -> Sets:
     def check(v: Any) -> dict[str, Any]:
         if v:
@@ -379,11 +419,11 @@ SMP_KEYS: dict[str, Rule] = {
 ACCELERATE_KEYS: dict[str, Rule] = {
     # top level of an `accelerate config` YAML
     "distributed_type": _must_be("FSDP", "tpcompile.parallelize applies FSDP2; use distributed_type: FSDP"),
-    "mixed_precision": _to("mixed_precision", mixed_precision_policy),
+    "mixed_precision": Sets(_accelerate_precision),
     "num_processes": _to("num_processes", _int),
     "deepspeed_config": _empty("deepspeed_config"),
     "megatron_lm_config": _empty("megatron_lm_config"),
-    "fp8_config": _empty("fp8_config (fp8 training)"),
+    "fp8_config": Sets(_fp8_config),
     "dynamo_config": _empty("dynamo_config (torch.compile)"),
     **{k: NoEffect(_LAUNCHER) for k in (
         "compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids",
@@ -436,7 +476,7 @@ ACCELERATE_KEYS: dict[str, Rule] = {
 _KEYWORDS = tuple(f.name for f in fields(ParallelConfig) if f.name not in ("source", "no_effect"))
 _NORMALIZE: dict[str, Callable[[Any], Any]] = {
     "sharding_strategy": Sharding.parse, "mixed_precision": mixed_precision_policy,
-    "checkpoint": CheckpointKind, "wrap_classes": tuple,
+    "checkpoint": CheckpointKind, "wrap_classes": tuple, "fp8": _fp8,
 }
 NATIVE_KEYS: dict[str, Rule] = {name: _to(name, _NORMALIZE.get(name, lambda v: v)) for name in _KEYWORDS}
 

@@ -47,6 +47,7 @@ from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
+from .cost_params import Issue, fp8_issues, fsdp_issues, local_shape, memory
 
 __all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
 
@@ -61,27 +62,6 @@ _NO_GRAD_OPS = {
     aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.new_empty.default,
     aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Issue:
-    """One collective issued ``count`` times per step by ``source``, per rank.
-
-    Bytes of one call: ``bytes_per_token * tokens + fixed_bytes`` (tokens = ``B × S``).
-    """
-
-    source: str  # module FQN (the traced representative), "loss", or "fsdp:<unit>"
-    phase: str  # "forward" | "backward"
-    op: str  # a name of COLLECTIVES
-    group: str  # "tp" | "dp_shard"
-    count: int
-    bytes_per_token: Fraction = Fraction(0)
-    fixed_bytes: int = 0
-    what: str = ""
-    label: str = ""  # every module the source stands for: model.layers.{0..31}.mlp.up_proj
-
-    def bytes(self, tokens: int) -> Fraction:
-        return self.count * (self.bytes_per_token * tokens + self.fixed_bytes)
 
 
 # ------------------------------------------------------------------ the graph
@@ -290,64 +270,6 @@ def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
             for phase, op, values in vocab_parallel_ce_collectives()]
 
 
-# ------------------------------------------------------------------ FSDP2 and memory
-
-
-def _units(model: nn.Module, plan: Plan) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """FSDP2 units (each block, then the root) and the parameters each one shards."""
-    units: dict[str, list[tuple[str, nn.Parameter]]] = {b: [] for b in plan.blocks}
-    ordered = sorted(plan.blocks, key=len, reverse=True)
-    units[""] = []
-    for name, p in model.named_parameters():  # tied parameters once, as FSDP2 sees them
-        unit = next((b for b in ordered if name.startswith(b + ".")), "")
-        units[unit].append((name, p))
-    return units
-
-
-def _local_shape(plan: Plan, name: str, p: nn.Parameter) -> list[int]:
-    pp = plan.params.get(name)
-    return list(pp.local_shape) if pp is not None and plan.tp > 1 else list(p.shape)
-
-
-def _shard_numel(shape: list[int], dp: int) -> int:
-    """FSDP2's padded dim-0 shard: ``torch.chunk`` chunk 0 (``ceil(d0 / dp)`` rows)."""
-    if not shape:
-        return 1
-    rows = -(-shape[0] // dp)
-    for d in shape[1:]:
-        rows *= d
-    return rows
-
-
-def _fsdp_issues(model: nn.Module, plan: Plan, dp_shard: int) -> list[Issue]:
-    issues = []
-    for unit, params in _units(model, plan).items():
-        if not params:
-            continue
-        shard = sum(_shard_numel(_local_shape(plan, n, p), dp_shard) * p.dtype.itemsize for n, p in params)
-        grads = sum(_shard_numel(_local_shape(plan, n, p), dp_shard) * p.dtype.itemsize
-                    for n, p in params if p.requires_grad)
-        src = f"fsdp:{unit or '<root>'}"
-        ag = dict(source=src, op="all_gather_into_tensor", group="dp_shard", count=1, fixed_bytes=shard)
-        issues.append(Issue(phase="forward", what="parameter shards", **ag))
-        issues.append(Issue(phase="backward", what="parameter shards (resharded after forward)", **ag))
-        if grads:
-            issues.append(Issue(source=src, phase="backward", op="reduce_scatter_tensor", group="dp_shard",
-                                count=1, fixed_bytes=grads * dp_shard, what="unsharded gradients"))
-    return issues
-
-
-def _memory(model: nn.Module, plan: Plan, dp_shard: int) -> dict[str, int]:
-    params = grads = tensors = 0
-    for name, p in model.named_parameters():
-        size = _shard_numel(_local_shape(plan, name, p), dp_shard) * p.dtype.itemsize
-        params += size
-        if p.requires_grad:
-            grads += size
-            tensors += 1
-    return {"parameters": params, "gradients": grads, "adamw_states": 2 * grads + 4 * tensors}
-
-
 # ------------------------------------------------------------------ activations
 
 
@@ -381,7 +303,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
     with mode:
         for name, p in model.named_parameters(remove_duplicate=False):  # primary name first
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty(_local_shape(plan, name, p), dtype=p.dtype),
+                memo[id(p)] = nn.Parameter(torch.empty(local_shape(plan, name, p), dtype=p.dtype),
                                            requires_grad=p.requires_grad)
         for b in model.buffers():
             memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
@@ -457,13 +379,14 @@ def _totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict
 
 
 def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq: int | None = None,
-                  dp_shard: int = 1) -> dict[str, Any]:
+                  dp_shard: int = 1, fp8: bool = False) -> dict[str, Any]:
     """The ``cost`` section of ``dump-plan``: per-rank collectives and memory of one step.
 
     ``batch × seq`` are the tokens each TP group processes per step (each data-parallel
     rank's micro-batch); without them, collective bytes are given per token (plus the
     fixed, parameter-sized part) and activations are left out. ``dp_shard > 1`` adds
     FSDP2 (``FULL_SHARD``) on top of ``tp``, as ``tpcompile.parallelize`` builds it.
+    ``fp8=True`` adds the amax all-reduces of FP8 projections (``fp8=True`` in transform).
 
     Example:
         >>> plan = plan_model(model, tp=2)                          # doctest: +SKIP
@@ -479,24 +402,26 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     cap = capture(model)
     issues, shared = trace_collectives(model, plan, cap)
     if dp_shard > 1:
-        issues += _fsdp_issues(model, plan, dp_shard)
+        issues += fsdp_issues(model, plan, dp_shard)
+    if fp8 and plan.tp > 1:
+        issues += fp8_issues(model, plan)
     tokens = None if batch is None else batch * seq
-    memory: dict[str, Any] = _memory(model, plan, dp_shard)
+    mem: dict[str, Any] = memory(model, plan, dp_shard)
     notes = []
     activations: dict[str, Any] | None = None
     if tokens is not None:
         activations = estimate_activations(model, plan, batch=batch, seq=seq, cap=cap)
-        memory["activations"] = activations["bytes"]
+        mem["activations"] = activations["bytes"]
         if activations["bytes"] is None:
             notes.append(f"activation estimate unavailable: {activations['error']}")
     else:
-        memory["activations"] = None
+        mem["activations"] = None
         notes.append("activations need --batch and --seq")
-    memory["total"] = sum(v for v in memory.values() if v is not None)
+    mem["total"] = sum(v for v in mem.values() if v is not None)
     return {
-        "tp": plan.tp, "dp_shard": dp_shard, "batch": batch, "seq": seq, "tokens": tokens,
+        "tp": plan.tp, "dp_shard": dp_shard, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
         "per_step": _totals(issues, tokens),
-        "memory_per_rank": memory,
+        "memory_per_rank": mem,
         "activations": activations,
         "issues": [_issue_dict(i) for i in issues],
         "shared_inputs": shared,

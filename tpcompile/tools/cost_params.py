@@ -1,0 +1,113 @@
+"""The parameter side of the cost model: FSDP2's shards and collectives, per-rank
+parameter memory, and FP8's amax all-reduces (:mod:`tpcompile.tools.cost` adds the TP
+collectives traced from the graph and the activations)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from torch import nn
+
+from ..plan.types import Plan
+
+__all__ = ["Issue", "fp8_issues", "fsdp_issues", "local_shape", "memory"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Issue:
+    """One collective issued ``count`` times per step by ``source``, per rank.
+
+    Bytes of one call: ``bytes_per_token * tokens + fixed_bytes`` (tokens = ``B × S``).
+    """
+
+    source: str  # module FQN (the traced representative), "loss", or "fsdp:<unit>"
+    phase: str  # "forward" | "backward"
+    op: str  # a name of COLLECTIVES
+    group: str  # "tp" | "dp_shard"
+    count: int
+    bytes_per_token: Fraction = Fraction(0)
+    fixed_bytes: int = 0
+    what: str = ""
+    label: str = ""  # every module the source stands for: model.layers.{0..31}.mlp.up_proj
+
+    def bytes(self, tokens: int) -> Fraction:
+        return self.count * (self.bytes_per_token * tokens + self.fixed_bytes)
+
+
+def _units(model: nn.Module, plan: Plan) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """FSDP2 units (each block, then the root) and the parameters each one shards."""
+    units: dict[str, list[tuple[str, nn.Parameter]]] = {b: [] for b in plan.blocks}
+    ordered = sorted(plan.blocks, key=len, reverse=True)
+    units[""] = []
+    for name, p in model.named_parameters():  # tied parameters once, as FSDP2 sees them
+        unit = next((b for b in ordered if name.startswith(b + ".")), "")
+        units[unit].append((name, p))
+    return units
+
+
+def local_shape(plan: Plan, name: str, p: nn.Parameter) -> list[int]:
+    pp = plan.params.get(name)
+    return list(pp.local_shape) if pp is not None and plan.tp > 1 else list(p.shape)
+
+
+def _shard_numel(shape: list[int], dp: int) -> int:
+    """FSDP2's padded dim-0 shard: ``torch.chunk`` chunk 0 (``ceil(d0 / dp)`` rows)."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // dp)
+    for d in shape[1:]:
+        rows *= d
+    return rows
+
+
+def fsdp_issues(model: nn.Module, plan: Plan, dp_shard: int) -> list[Issue]:
+    issues = []
+    for unit, params in _units(model, plan).items():
+        if not params:
+            continue
+        shard = sum(_shard_numel(local_shape(plan, n, p), dp_shard) * p.dtype.itemsize for n, p in params)
+        grads = sum(_shard_numel(local_shape(plan, n, p), dp_shard) * p.dtype.itemsize
+                    for n, p in params if p.requires_grad)
+        src = f"fsdp:{unit or '<root>'}"
+        ag = dict(source=src, op="all_gather_into_tensor", group="dp_shard", count=1, fixed_bytes=shard)
+        issues.append(Issue(phase="forward", what="parameter shards", **ag))
+        issues.append(Issue(phase="backward", what="parameter shards (resharded after forward)", **ag))
+        if grads:
+            issues.append(Issue(source=src, phase="backward", op="reduce_scatter_tensor", group="dp_shard",
+                                count=1, fixed_bytes=grads * dp_shard, what="unsharded gradients"))
+    return issues
+
+
+def memory(model: nn.Module, plan: Plan, dp_shard: int) -> dict[str, int]:
+    params = grads = tensors = 0
+    for name, p in model.named_parameters():
+        size = _shard_numel(local_shape(plan, name, p), dp_shard) * p.dtype.itemsize
+        params += size
+        if p.requires_grad:
+            grads += size
+            tensors += 1
+    return {"parameters": params, "gradients": grads, "adamw_states": 2 * grads + 4 * tensors}
+
+
+# ------------------------------------------------------------------ activations
+
+
+def fp8_issues(model: nn.Module, plan: Plan) -> list[Issue]:
+    """FP8's amax all-reduces (runtime/fp8.py): one MAX of a scalar per split operand of
+    every FP8 projection — the input and the weight in forward, the output gradient in
+    backward."""
+    from ..runtime.fp8 import fp8_modules
+
+    issues: list[Issue] = []
+    width = {name: p.element_size() for name, p in model.named_parameters()}
+    for name, spec in fp8_modules(model, plan).items():
+        size = width.get(f"{name}.weight", 4)  # an amax has the parameter's dtype
+        forward = int(spec.input_split) + int(spec.weight_split)
+        if forward:
+            issues.append(Issue(source=name, phase="forward", op="all_reduce", group="tp", count=forward,
+                                fixed_bytes=size, what="fp8 amax (input / weight)"))
+        if spec.grad_split:
+            issues.append(Issue(source=name, phase="backward", op="all_reduce", group="tp", count=1,
+                                fixed_bytes=size, what="fp8 amax (output gradient)"))
+    return issues
