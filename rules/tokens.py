@@ -107,6 +107,30 @@ def pointwise_tokens(node: fx.Node, tags: Tags) -> Tokens:
     return pointwise(node, tags)
 
 
+@token_rule(aten.embedding.default)
+def embedding_tokens(node: fx.Node, tags: Tags) -> Tokens:
+    """``embedding(table, ids)``: each position's row from its own id."""
+    table, ids = node.args[:2]
+    tag = tags.get(ids)
+    if tag is None or table in tags:
+        raise Mixes("tokens in the table of a lookup")
+    return tag
+
+
+@token_rule(aten.cat.default)
+def cat_tokens(node: fx.Node, tags: Tags) -> Tokens:
+    """``cat(parts, dim)`` along another dim, every part carrying the same tokens
+    (rotary's ``cat((freqs, freqs), -1)``)."""
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    found = [tags.get(p) for p in parts]
+    if any(t is None for t in found) or len(set(found)) != 1:
+        raise Mixes("joins values that do not carry the same tokens")
+    if _norm(int(dim), len(shape(parts[0]) or ())) == found[0].dim:
+        raise Mixes("concatenates along the token dim")
+    return found[0]
+
+
 @token_rule(aten.addmm.default)
 def addmm_tokens(node: fx.Node, tags: Tags) -> Tokens:
     """``(bias, x, weight)``: the rows of ``x`` are tokens."""
@@ -120,7 +144,8 @@ def addmm_tokens(node: fx.Node, tags: Tags) -> Tokens:
 @token_rule(aten.clone.default, aten._to_copy.default, aten.detach.default, aten.alias.default,
             aten.contiguous.default, aten.lift_fresh_copy.default, aten.zeros_like.default,
             aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-            aten.native_dropout.default, aten.dropout.default, aten.to.dtype, aten.type_as.default)
+            aten.native_dropout.default, aten.dropout.default, aten.to.dtype, aten.to.dtype_layout,
+            aten.to.device, aten.type_as.default)
 def same_tokens(node: fx.Node, tags: Tags) -> Tokens:
     """Layout or dtype only: the input's tag, unchanged."""
     return leading(node, tags)[1]
@@ -133,6 +158,10 @@ def view_tokens(node: fx.Node, tags: Tags) -> Tokens:
     dims before it only fold into it (batch rows merging in)."""
     src, tag, _ = leading(node, tags)
     ins, out = shape(src), shape(node)
+    if node.target is aten.expand.default and ins is not None and out is not None and len(out) >= len(ins):
+        at = tag.dim + len(out) - len(ins)  # expand adds leading dims and widens size-1 ones
+        if out[at] == ins[tag.dim]:
+            return Tokens(at, tag.merged)
     if ins is None or out is None:
         raise Mixes("no shape")
     before = math.prod(ins[: tag.dim])
@@ -194,14 +223,14 @@ def along_tokens(node: fx.Node, tags: Tags) -> Tokens:
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1 if target is aten.topk.default else 0)
     if target in (aten.sort.default, aten._softmax.default, aten._log_softmax.default) and dim is None:
         dim = -1
+    if target is aten.unsqueeze.default:  # a new dim, counted in the output's rank: never the tokens
+        at = _norm(int(dim), nd + 1)
+        return Tokens(tag.dim + (at <= tag.dim), tag.merged)
     dim = _norm(int(dim), nd)
     if dim == tag.dim:
         raise Mixes(f"runs along the token dim {dim}")
     if target in (aten.select.int, aten.squeeze.dim):
         return Tokens(tag.dim - (dim < tag.dim), tag.merged)
-    if target is aten.unsqueeze.default:
-        at = _norm(int(node.args[1]), nd + 1)
-        return Tokens(tag.dim + (at <= tag.dim), tag.merged)
     return tag
 
 
@@ -230,6 +259,6 @@ def matmul_tokens(node: fx.Node, tags: Tags) -> Tokens:
 
 
 TOKEN_RULES: list[TokenRule] = [
-    getitem_tokens, pointwise_tokens, addmm_tokens, same_tokens, view_tokens, permute_tokens,
+    getitem_tokens, pointwise_tokens, embedding_tokens, cat_tokens, addmm_tokens, same_tokens, view_tokens, permute_tokens,
     reduce_tokens, along_tokens, norm_tokens, matmul_tokens,
 ]

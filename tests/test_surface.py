@@ -27,7 +27,7 @@ PUBLIC = {
         "build_plan", "build_table", "check_plan", "plan_model",
     ],
     "tpcompile.runtime": ["OffloadHandle", "OffloadStats", "ParallelDims", "checkpoint_blocks",
-                          "data_parallel_rank", "offload_activations"],
+                          "data_parallel_rank", "offload_activations", "gather_sequence"],
     "tpcompile.checkpoint": ["SaveHandle", "hf_state_dict", "latest", "load", "load_hf_weights", "save",
                              "save_pretrained"],
     "tpcompile.integrations": ["STATE_DIR", "TPTrainerCallback", "TrainerSupport", "data_mesh", "prepare",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .analysis.propagate import Rule
+from .analysis.propagate import Rule, RuleSet
 from .analysis.tokens import TokenRule
 from .checkpoint.hf import load_hf_weights
 from .checkpoint.pretrained import CheckpointLoader, check_checkpoint_dir, materialize_buffers
@@ -27,6 +27,8 @@ from .compose import Job, compose, tensor_parallel
 from .config import resolve_config
 from .errors import TPError
 from .plan import Plan, check_plan, plan_model
+from .plan.context import check_context
+from .rules import default_rules
 from .runtime.backend import BACKENDS as _BACKENDS
 from .runtime.backend import make_backend
 from .runtime.materialize import Materializer
@@ -151,6 +153,7 @@ def parallelize(
     dp_shard: int = -1,
     dp_replicate: int = 1,
     ep: int = 1,
+    cp: int = 1,
     sequence_parallel: bool = False,
     sharding_strategy: str = "FULL_SHARD",
     mixed_precision: Any = None,
@@ -176,6 +179,11 @@ def parallelize(
             experts, tokens are routed to them with all-to-all. Carved from the
             ``dp_shard`` ranks (``dp_shard = efsdp x ep``); see
             :mod:`tpcompile.runtime.experts`.
+        cp: context-parallel degree: each sequence split over ``cp`` ranks (two mirrored
+            chunks each), keys and values all-gathered in attention
+            (:mod:`tpcompile.runtime.context`); every rank of a CP group gets the same
+            batch; FSDP2 shards over ``dp_shard x cp``. Checked at parallelize time: an op
+            other than attention that mixes positions raises naming it.
         sequence_parallel: between tensor-parallel regions each rank keeps only its
             slice of the tokens (:mod:`tpcompile.plan.sequence`); needs ``tp > 1``.
         sharding_strategy: ``FULL_SHARD`` (reshard after forward), ``SHARD_GRAD_OP`` (keep
@@ -226,7 +234,7 @@ def parallelize(
         ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         >>> model = tpcompile.parallelize(model, tp=2, load_from=path)
     """
-    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, sequence_parallel=sequence_parallel,
+    given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
                  sharding_strategy=sharding_strategy,
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing,
@@ -246,7 +254,7 @@ def parallelize(
         # every rank reads its own rows: a rank-0 broadcast would only add a full copy
         cfg = replace(cfg, load_from_rank0=False)
     device = device_type(model)
-    dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep)
+    dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
     mesh = dims.build(device)
     # record what delayed init / rank-0 / checkpoint loading needs before any module is
     # rewritten
@@ -258,6 +266,8 @@ def parallelize(
                          ep=cfg.ep) if plan is not None else plan_model(
         model, cfg.tp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)
     _check_wrap_classes(model, list(plan.blocks), cfg.wrap_classes)
+    if cfg.cp > 1:  # before any module changes: a model CP cannot split is refused as it is
+        check_context(model, RuleSet().add(default_rules()))
     tp_mesh = mesh["tp"] if cfg.tp > 1 else None
     backend = make_backend("auto", tp_mesh) if tp_mesh is not None else None
     return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,

@@ -7,7 +7,7 @@ Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps
     2. loss         the model's loss reads this rank's vocab shard (or loss-parallel)
     3. sp           sequence parallelism: split / gather the residual stream per block
        fp8          FP8 matmuls in the split projections, scales of whole tensors
-    4. cp           (context parallelism: not built yet)
+    4. cp           context parallelism: each sequence split over the CP group
     5. ep           keep this rank's experts, all-to-all dispatch around their forward
     6. activations  checkpoint / offload per block (inside FSDP, outside TP)
     7. fsdp         FSDP2 units: each block, then the root
@@ -40,6 +40,7 @@ from .plan.types import renamed_fqn
 from .runtime import activations
 from .runtime.adapters import adopt_plan, global_twin, size_adapters_globally
 from .runtime.apply import apply_plan, install_root_hooks
+from .runtime.context import install_context_parallel
 from .runtime.experts import shard_experts
 from .runtime.fsdp import fully_shard_model
 from .runtime.guard import planned_names, watch_tree
@@ -116,6 +117,20 @@ def apply_fp8(job: Job) -> None:
     from .runtime.fp8 import convert_fp8  # imports torchao: only when FP8 is asked for
 
     job.model.tpcompile_fp8 = convert_fp8(job.model, job.plan, job.tp_mesh, job.fp8, job.fp8_filter)
+
+
+def apply_cp(job: Job) -> None:
+    """4. Context parallelism: each sequence split over the CP group, keys and values
+    gathered in attention (runtime/context.py); checked first (plan/context.py)."""
+    cfg = job.cfg
+    if cfg is None or cfg.cp <= 1:
+        return
+    if job.plan.sequence:
+        raise TPError("cp > 1 with sequence_parallel=True is not supported yet: use one of them")
+    if cfg.ep > 1:
+        raise TPError("cp > 1 with ep > 1 is not supported yet: use one of them")
+    mesh4 = _dims(cfg).context_mesh(job.mesh)
+    install_context_parallel(job.model, mesh4["cp"])
 
 
 def apply_ep(job: Job) -> None:
@@ -256,9 +271,9 @@ def _bind_merge(job: Job) -> None:
     model.merge_and_unload = types.MethodType(merge_and_unload, model)
 
 
-# The fixed order. Context parallelism (step 4) slots in between sp and ep.
+# The fixed order.
 TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp, apply_fp8)
-STEPS = (*TENSOR_PARALLEL_STEPS, apply_ep, apply_activations, apply_fsdp, materialise, mark)
+STEPS = (*TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_fsdp, materialise, mark)
 
 
 def tensor_parallel(job: Job) -> nn.Module:
@@ -276,4 +291,4 @@ def compose(job: Job) -> nn.Module:
 
 
 def _dims(cfg: ParallelConfig) -> ParallelDims:
-    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep)
+    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)

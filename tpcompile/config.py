@@ -133,6 +133,8 @@ class ParallelConfig:
     dp_shard: int = -1
     dp_replicate: int = 1
     ep: int = 1  # expert parallelism: carved from dp_shard (dp_shard = efsdp x ep)
+    # context parallelism: each sequence split over cp ranks; FSDP2 shards over dp_shard x cp
+    cp: int = 1
     sequence_parallel: bool = False  # the residual stream split by tokens over tp
     sharding_strategy: Sharding = Sharding.FULL_SHARD
     mixed_precision: MixedPrecisionPolicy | None = None
@@ -159,6 +161,7 @@ class ParallelConfig:
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
         _check_int("tp", self.tp, minimum=1)
         _check_int("ep", self.ep, minimum=1)
+        _check_int("cp", self.cp, minimum=1)
         _check_int("dp_shard", self.dp_shard, minimum=-1, forbid=0)
         _check_int("dp_replicate", self.dp_replicate, minimum=-1, forbid=0)
         _check_int("loading_horizon", self.loading_horizon, minimum=1)
@@ -200,7 +203,9 @@ class ParallelConfig:
         if world_size % self.tp:
             ok = [t for t in range(1, world_size + 1) if world_size % t == 0]
             raise TPError(f"world size {world_size} is not divisible by tp={self.tp}; tp values that work: {ok}")
-        dp = world_size // self.tp
+        if world_size % (self.tp * self.cp):
+            raise TPError(f"world size {world_size} is not divisible by tp={self.tp} x cp={self.cp}")
+        dp = world_size // (self.tp * self.cp)
         shard, rep, strategy = self.dp_shard, self.dp_replicate, self.sharding_strategy
         if strategy is Sharding.NO_SHARD:
             if shard not in (1, -1):
@@ -212,9 +217,10 @@ class ParallelConfig:
             shard = _divide("dp_shard", dp, rep)
         if rep == -1:
             rep = _divide("dp_replicate", dp, shard)
-        if rep * shard * self.tp != world_size:
-            raise TPError(f"dp_replicate={rep} x dp_shard={shard} x tp={self.tp} = {rep * shard * self.tp} "
-                          f"ranks, but the world has {world_size}; use -1 for one of the dp degrees")
+        if rep * shard * self.cp * self.tp != world_size:
+            raise TPError(f"dp_replicate={rep} x dp_shard={shard} x cp={self.cp} x tp={self.tp} = "
+                          f"{rep * shard * self.cp * self.tp} ranks, but the world has {world_size}; use -1 for "
+                          "one of the dp degrees")
         if shard % self.ep:
             ok = [e for e in range(1, shard + 1) if shard % e == 0]
             raise TPError(f"ep={self.ep} must divide dp_shard={shard} (expert-parallel ranks are carved from "
@@ -410,7 +416,7 @@ SMP_KEYS: dict[str, Rule] = {
                                      "dropout on sharded activations draws the same pattern on each "
                                      "TP rank: exact without active dropout", _int),
     "expert_parallel_degree": _to("ep", _int),
-    "context_parallel_degree": Only(1, "context parallelism is not implemented"),
+    "context_parallel_degree": _to("cp", _int),
     "fsdp_cache_flush_warnings": NoEffect("SMP's warnings about CUDA cache flushes inside its FSDP; "
                                           "tpcompile adds no allocator logging", _bool),
     "allow_empty_shards": NoEffect("FSDP2 pads uneven shards and allows empty ones already", _bool),
@@ -461,7 +467,7 @@ ACCELERATE_KEYS: dict[str, Rule] = {
     "parallelism_config_dp_replicate_size": _to("dp_replicate", _int),
     "parallelism_config_dp_shard_size": _to("dp_shard", _int),
     "parallelism_config_tp_size": _to("tp", _int),
-    "parallelism_config_cp_size": Only(1, "context parallelism is not implemented"),
+    "parallelism_config_cp_size": _to("cp", _int),
     "parallelism_config_sp_size": Only(1, "accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism "
                                           "(attention heads all-to-all), not implemented; tpcompile's "
                                           "Megatron-style split is the sequence_parallel=True keyword"),

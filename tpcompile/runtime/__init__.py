@@ -23,7 +23,8 @@ Example:
 from __future__ import annotations
 
 from .activations import OffloadHandle, OffloadStats, checkpoint_blocks, offload_activations
+from .context import gather_sequence
 from .mesh import ParallelDims, data_parallel_rank
 
-__all__ = ["OffloadHandle", "OffloadStats", "ParallelDims", "checkpoint_blocks", "data_parallel_rank",
+__all__ = ["OffloadHandle", "OffloadStats", "ParallelDims", "checkpoint_blocks", "data_parallel_rank", "gather_sequence",
            "offload_activations"]

@@ -45,10 +45,11 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallelism: the mesh's dp_shard dim is dp_shard x cp, cp innermost
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.dp_replicate, self.dp_shard * self.cp, self.tp)
 
     def build(self, device: str) -> DeviceMesh:
         """The ``(dp_replicate, dp_shard, tp)`` mesh over the default process group."""
@@ -61,6 +62,12 @@ class ParallelDims:
         if shard % self.ep:
             raise TPError(f"ep={self.ep} must divide dp_shard={shard}")
         return mesh._unflatten("dp_shard", (shard // self.ep, self.ep), ("efsdp", "ep"))
+
+    def context_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 4-D ``(dp_replicate, dp, cp, tp)`` view of ``mesh``: its ``dp_shard`` dim
+        (FSDP2 shards over it whole) split into data-parallel shards and CP groups
+        (consecutive ranks of one TP rank share a sequence)."""
+        return mesh._unflatten("dp_shard", (self.dp_shard, self.cp), ("dp", "cp"))
 
     @staticmethod
     def data_mesh(mesh: DeviceMesh, hsdp: bool) -> DeviceMesh:
@@ -122,9 +129,13 @@ def data_parallel_rank(mesh: DeviceMesh | nn.Module) -> tuple[int, int]:
         >>> rank, size = tpcompile.data_parallel_rank(model)     # doctest: +SKIP
         >>> local_batch = global_batch.chunk(size)[rank]
     """
+    cp = 1
     if isinstance(mesh, nn.Module):
         if not hasattr(mesh, "tpcompile_mesh"):
             raise TPError("this model was not parallelized: call tpcompile.parallelize(model, ...) first")
+        context = getattr(mesh, "tpcompile_context", None)
+        cp = 1 if context is None else context.size  # a CP group shares its batch
         mesh = mesh.tpcompile_mesh
     rep, shard, _ = mesh.get_coordinate()
-    return rep * mesh.size(1) + shard, mesh.size(0) * mesh.size(1)
+    shards = mesh.size(1) // cp
+    return rep * shards + shard // cp, mesh.size(0) * shards

@@ -1,0 +1,239 @@
+"""Context parallelism: each sequence split over the ranks of a CP group, exact.
+
+Every rank of a CP group is handed the same full batch (as with TP); the model splits
+the sequence itself, around its own forward:
+
+* **Split** (root pre-hook): the length is padded to a multiple of ``2·cp`` with masked
+  positions, cut into ``2·cp`` chunks, and rank ``r`` keeps chunks ``r`` and
+  ``2·cp-1-r`` (mirrored: under a causal mask every rank has the same work).  The ids, the
+  *global* ``position_ids`` (rotary and absolute position embeddings see true positions)
+  and the labels, shifted globally first (``shift_labels``: a chunk's last token is
+  trained on the next chunk's first), are cut the same way; the loss is normalised by the
+  whole batch's label count (``num_items_in_batch``).
+* **Attention** across the split: the model's attention modules call transformers'
+  attention interface, which is pointed at :func:`cp_attention`.  It all-gathers the
+  keys and values over the CP group (before ``repeat_kv``: only the KV heads move;
+  backward reduce-scatters their gradients) and attends the local queries to every key
+  with the mask rebuilt from global positions: causal, the layer's sliding window, the
+  padding ``attention_mask``; softcapping and attention sinks as the layer passes them.
+* **Loss** (root post-hook): the local sums, each over this rank's tokens divided by the
+  global count, are all-reduced into the loss of the whole sequence.  Its backward scales
+  by ``cp``: FSDP2 averages gradients over ``dp_shard x cp`` and each rank holds the
+  gradient of its own tokens only, so the average of ``cp·g_r`` is their sum.
+
+The logits stay split by sequence, in the mirrored chunk order; :func:`gather_sequence`
+puts them (or any per-position output) back in order.  Which other ops may run on a slice
+of the sequence is checked at parallelize time (:mod:`tpcompile.plan.context`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import TPError
+from . import comm
+
+__all__ = ["ContextParallel", "cp_attention", "gather_sequence", "install_context_parallel"]
+
+ATTENTION_KEY = "tpcompile_cp"  # the name under transformers' attention interface
+_ACTIVE: list[ContextParallel | None] = [None]  # the model whose forward (or recompute) runs
+
+
+class ContextParallel:
+    """One model's CP group and the positions of its last forward."""
+
+    def __init__(self, group: Any, size: int, rank: int, implementation: str) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        # the model's own attention ("eager" / "sdpa"...): whose semantics a query with no
+        # key to attend to follows
+        self.implementation = implementation
+        self.q_pos: torch.Tensor | None = None  # [b, s_local] global positions of local queries
+        self.k_pos: torch.Tensor | None = None  # [b, S] positions of the gathered keys
+        self.k_valid: torch.Tensor | None = None  # [b, S] keys that are not padding
+        self.k_real: torch.Tensor | None = None  # [S] keys inside the caller's length
+        self.order: torch.Tensor | None = None  # gathered index -> global position index
+        self.length = 0  # the caller's sequence length (before padding)
+
+    def index(self, length: int, rank: int, device: torch.device) -> torch.Tensor:
+        """The positions rank ``rank`` holds of a padded length: chunks r and 2cp-1-r."""
+        chunk = length // (2 * self.size)
+        first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+        last = torch.arange((2 * self.size - 1 - rank) * chunk, (2 * self.size - rank) * chunk, device=device)
+        return torch.cat([first, last])
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The local slice of one call's inputs (every rank holds the same full batch)."""
+        kwargs = dict(kwargs)
+        if args:
+            kwargs.setdefault("input_ids", args[0])
+            args = args[1:]
+            if args:
+                raise TPError("context parallelism: pass the model's inputs as keywords beyond input_ids")
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise TPError("context parallelism needs input_ids (inputs_embeds alone is not split)")
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            raise TPError("context parallelism splits whole sequences: a KV cache (generate's decode steps) is "
+                          "not supported on a CP model; generate on the model saved and loaded without cp")
+        b, length = ids.shape
+        padded = -(-length // (2 * self.size)) * (2 * self.size)
+        pad = padded - length
+        mask = kwargs.pop("attention_mask", None)
+        valid = torch.ones(b, length, dtype=torch.bool, device=ids.device) if mask is None else mask.bool()
+        pos = kwargs.pop("position_ids", None)
+        if pos is None:
+            pos = torch.arange(length, device=ids.device).expand(b, length)
+        labels = kwargs.pop("labels", None)
+        shift = kwargs.pop("shift_labels", None)
+        if labels is not None and shift is None:  # the global shift, before the split
+            shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        if pad:
+            ids = F.pad(ids, (0, pad))
+            valid = F.pad(valid, (0, pad), value=False)
+            pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
+            if shift is not None:
+                shift = F.pad(shift, (0, pad), value=-100)
+        mine = self.index(padded, self.rank, ids.device)
+        order = torch.cat([self.index(padded, r, ids.device) for r in range(self.size)])
+        self.q_pos, self.k_pos = pos[:, mine], pos[:, order]
+        self.k_valid, self.order, self.length = valid[:, order], order, length
+        self.k_real = order < length
+        kwargs["input_ids"] = ids[:, mine]
+        kwargs["position_ids"] = self.q_pos
+        if shift is not None:
+            if kwargs.get("num_items_in_batch") is None:
+                kwargs["num_items_in_batch"] = (shift != -100).sum()
+            kwargs["shift_labels"] = kwargs["labels"] = shift[:, mine]
+        _ACTIVE[0] = self
+        return args, kwargs
+
+    def allowed(self, causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, 1, s_local, S]``: which gathered keys each local query attends to, and
+        ``[b, 1, s_local, 1]``: the queries no key is allowed for (a left-padded row's pads)."""
+        q, k = self.q_pos[:, :, None], self.k_pos[:, None, :]
+        ok = self.k_valid[:, None, :].expand(-1, q.shape[1], -1)
+        if causal:
+            ok = ok & (k <= q)
+        if window:
+            ok = ok & (q - k < window)
+        return ok[:, None], ~ok.any(dim=-1, keepdim=True)[:, None]
+
+
+class _ScaledSum(torch.autograd.Function):
+    """All-reduce(sum) forward; backward ``cp · dy`` (FSDP2 then averages over cp)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad * ctx.scale, None, None
+
+
+def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature: local queries ``[b, h, s, d]``
+    against the keys and values of the whole CP group.  The mask the model built for
+    its local slice is not used: it is rebuilt from global positions."""
+    cp = _ACTIVE[0]
+    if cp is None:
+        raise TPError("a context-parallel attention ran outside its model's forward")
+    key, value = comm.enter_tp(key, cp.group, 2), comm.enter_tp(value, cp.group, 2)
+    allowed, empty = cp.allowed(bool(getattr(module, "is_causal", True)), sliding_window)
+    real = cp.k_real.view(1, 1, 1, -1)
+    p = dropout if module.training else 0.0
+    if cp.implementation == "sdpa" and softcap is None and s_aux is None:
+        # a row without keys is left to torch's sdpa, as transformers' sdpa path leaves it
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=p, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = _eager(query, key, value, allowed, empty & ~real, p, scaling, softcap, s_aux)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, outside: torch.Tensor,
+           p: float, scaling: float | None, softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention written out as transformers' eager attention computes it:
+    softcapped scores, masked keys at the dtype's minimum (so a row without keys averages
+    the whole sequence evenly), sinks as extra logits.  ``outside``: keys beyond the
+    caller's sequence (CP's padding), left out of such rows."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    # added, not filled: a row without keys then still passes gradients to its scores,
+    # as transformers' additive mask does
+    bias = torch.zeros((), dtype=scores.dtype, device=scores.device).expand_as(scores)
+    bias = bias.masked_fill(~allowed, torch.finfo(scores.dtype).min).masked_fill(outside, float("-inf"))
+    scores = scores + bias
+    if s_aux is not None:  # per-head sink logits, dropped after the softmax
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sinks.to(scores.dtype)], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return F.dropout(probs, p=p) @ v
+
+
+def gather_sequence(model: nn.Module, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """A per-position output of a CP model's last forward (its ``logits``), whole and in
+    order (the caller's length, padding removed).  Collective over the CP group.
+
+    Example:
+        >>> out = model(input_ids=ids, labels=ids)                  # doctest: +SKIP
+        >>> logits = tpcompile.runtime.gather_sequence(model, out.logits)
+    """
+    cp = getattr(model, "tpcompile_context", None)
+    if cp is None or cp.order is None:
+        return t
+    parts = [torch.empty_like(t.contiguous()) for _ in range(cp.size)]
+    dist.all_gather(parts, t.contiguous(), group=cp.group)
+    gathered = torch.cat(parts, dim=dim)
+    inverse = torch.empty_like(cp.order)
+    inverse[cp.order] = torch.arange(cp.order.numel(), device=cp.order.device)
+    return gathered.index_select(dim, inverse[: cp.length])
+
+
+def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
+    """Split every forward of ``model`` over ``cp_mesh`` (a 1-D mesh), in place."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_KEY, cp_attention)
+    AttentionMaskInterface.register(ATTENTION_KEY, _no_mask)
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    for mod in model.modules():
+        config = getattr(mod, "config", None)
+        if hasattr(config, "_attn_implementation"):
+            config._attn_implementation_internal = ATTENTION_KEY
+    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), implementation)
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cp.split(args, kwargs)
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        loss = getattr(out, "loss", None)
+        if loss is not None:
+            out.loss = _ScaledSum.apply(loss, cp.group, float(cp.size))
+        return out
+
+    model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    model.register_forward_hook(post, with_kwargs=True)
+    model.tpcompile_context = cp
+    return cp
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask transformers would build for the local slice: none (rebuilt globally)."""
+    return None
