@@ -8,7 +8,8 @@ adapters' random initialisation must match too):
   planned from the adapted model's dataflow when PEFT first walks the model, so an
   optimizer built right after holds the planned parameters; 3 AdamW losses (rel 1e-4)
   and every gradient of step 1 in HF rows (1e-5); the same trainable parameters;
-* ``transform`` of a ``PeftModel`` (the other order): logits, loss, every gradient;
+* ``transform`` of a ``PeftModel`` (the other order): logits, loss, every gradient; and
+  ``parallelize`` of one at dp_shard 2 x tp 2 (world 4): 3 AdamW losses;
 * a hand-written adapter module is planned the same way; one that would re-split the
   module under it, or one added after ``parallelize``, is refused naming it;
 * other kinds: IA3 and LoRA on the embedding exact in both orders, ``modules_to_save``
@@ -273,6 +274,40 @@ def _saves(rank: int, world: int, out: str, order: str) -> dict:
         with torch.no_grad():
             result["merged_saved"] = (plain(ids).logits - merged_ref(ids).logits).abs().max().item()
     return result
+
+
+def _fsdp(rank: int, world: int) -> dict:
+    """A PeftModel under parallelize (dp_shard 2 x tp 2): 3 AdamW steps equal one process."""
+    from peft import get_peft_model
+
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(1)
+    ref = get_peft_model(_build(), _lora(["q_proj", "v_proj", "down_proj"]))
+    model = tpcompile.parallelize(copy.deepcopy(ref), tp=2)
+    losses = []
+    for m in (ref, model):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        run = []
+        for _ in range(3):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    return {"ref": losses[0], "fsdp": losses[1]}
+
+
+@pytest.fixture(scope="module")
+def world4() -> CaseResults:
+    return run_cases(4, {"fsdp": (_fsdp,)}, timeout=900)
+
+
+@pytest.mark.slow
+def test_a_peft_model_under_fsdp2_and_tp_trains_exactly(world4: CaseResults) -> None:
+    for r in world4["fsdp"]:
+        for got, want in zip(r["fsdp"], r["ref"], strict=True):
+            assert abs(got - want) <= 1e-4 * abs(want), r
 
 
 @pytest.fixture(scope="module")

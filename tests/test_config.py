@@ -168,8 +168,10 @@ def test_hybrid_shards_within_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"tensor_parallel_degree": 2, "fsdp_offload_params": True}, {}, r"mixes smp keys with accelerate keys"),
     ({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False}, {}, "disagree"),
     ({"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_reshard_after_forward": False}, {}, "contradicts"),
-    ({"context_parallel_degree": 4}, {}, "context parallelism is not implemented"),
-    ({"parallelism_config": {"parallelism_config_cp_size": 2}}, {}, "context parallelism"),
+    ({"context_parallel_degree": 3}, {}, "not divisible by tp=1 x cp=3"),
+    ({"parallelism_config": {"parallelism_config_cp_size": 3}}, {}, "cp=3"),
+    ({"distributed_type": "FSDP", "mixed_precision": "fp8", "fp8_config": {"backend": "TE"}}, {},
+     "backend 'TE' is not supported"),
     ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, {}, "SIZE_BASED_WRAP are not supported"),
     ({"fsdp_state_dict_type": "NO_STATE_DICT"}, {}, r"expected one of \['FULL_STATE_DICT', 'LOCAL"),
     ({"fsdp_backward_prefetch_policy": "SOMETIMES"}, {}, "BACKWARD_PRE"),
@@ -177,12 +179,13 @@ def test_hybrid_shards_within_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"fsdp_sharding_strategy": 7}, {}, "unknown sharding strategy 7"),
     ({"fsdp_backward_prefetch": "SOMETIMES"}, {}, "BACKWARD_PRE"),
     ({"distributed_type": "DEEPSPEED"}, {}, "use distributed_type: FSDP"),
-    ({"mixed_precision": "fp8"}, {}, "fp8 is not wired in"),
+    ({"mixed_precision": "fp8"}, {}, "FP8 matmuls are fp8=True"),
+    ({"fp8": "int8"}, {}, "fp8 must be True"),
     ({"deepspeed_config": {"zero_stage": 3}}, {}, "deepspeed_config is not supported"),
     ({"smdistributed": {"modelparallel": {"enabled": False}}}, {}, "turns SMP off"),
     ({"tensor_parallel_degree": 3}, {}, r"not divisible by tp=3; tp values that work: \[1, 2, 4\]"),
     (None, {"sharding_strategy": "NO_SHARD", "dp_shard": 2}, "dp_shard must be 1"),
-    (None, {"dp_shard": 3}, "3 x tp=1 = 3 ranks, but the world has 4"),
+    (None, {"dp_shard": 3}, "3 x cp=1 x tp=1 = 3 ranks, but the world has 4"),
     (None, {"dp_shard": -1, "dp_replicate": -1}, "only one of dp_shard and dp_replicate"),
     (None, {"tpp": 2}, r"unknown keyword 'tpp'; did you mean \['tp'"),
     (None, {"loading_horizon": 0}, "loading_horizon must be an integer >= 1"),
@@ -317,6 +320,18 @@ def test_published_configs_resolve_to_their_layouts(tmp_path: Path) -> None:
     assert (cfg.activation_offloading, cfg.loading_horizon, cfg.seed) == (True, 4, 12345)
     flat = SMP_DOCS_SDK["smdistributed"]["modelparallel"]["parameters"]
     assert resolve_config(flat, world_size=256) == cfg
+
+
+def test_context_and_fp8_keys() -> None:
+    """SMP's context_parallel_degree and accelerate's cp_size are cp; accelerate's fp8 with
+    the torchao backend is fp8=True."""
+    assert resolve_config({"tensor_parallel_degree": 2, "context_parallel_degree": 2}, world_size=8).cp == 2
+    cfg = resolve_config({"parallelism_config": {"parallelism_config_cp_size": 2}}, world_size=4)
+    assert (cfg.cp, cfg.dp_shard) == (2, 2)
+    acc = resolve_config({"distributed_type": "FSDP", "mixed_precision": "fp8", "fp8_config": {"backend": "AO"}},
+                         world_size=2)
+    assert acc.fp8 is True and acc.mixed_precision is None
+    assert resolve_config({"fp8": "tensorwise"}, world_size=2).fp8 == "tensorwise"
 
 
 def test_accelerate_old_and_new_prefetch_spellings() -> None:

@@ -177,6 +177,10 @@ def init(config: Any = None) -> State:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     cfg = resolve_config(_read_config(config), world_size=dist.get_world_size())
+    if cfg.cp > 1:  # SMP runs CP through Transformer Engine on its own FSDP; ours needs FSDP2
+        raise TPError(f"context_parallel_degree={cfg.cp} is applied by tpcompile.parallelize(model, "
+                      "config=<the same SMP config>) (FSDP2 over dp_shard x cp); tsm.init / tsm.transform "
+                      "with FSDP1 cannot split sequences: set context_parallel_degree to 1 there")
     if state.cfg is not None:
         if cfg != state.cfg:
             raise TPError(f"tpcompile.smp is already initialized with another layout "
