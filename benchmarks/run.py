@@ -39,6 +39,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "activation_memory": ("activation_memory", "saved activations: plain, checkpointing, offloading, both"),
     "cost_memory": ("cost_memory", "dump-plan's memory estimate vs a training step's measured peak"),
     "state_dict_cost": ("state_dict_cost", "time and memory of model.state_dict() at tp=2"),
+    "context_parallel": ("context_parallel", "saved activations and step time per rank, cp=1/2/4 at 4k and 8k"),
+    "fp8": ("fp8", "FP8 vs bf16 vs fp32 at dp2 x tp2: weight all-gather bytes, memory, step time, loss curve"),
 }
 
 

@@ -8,8 +8,8 @@ and eager, an odd length, a left-padded batch with an ``attention_mask``), qwen3
 with a sliding window shorter than the sequence, gpt2 (absolute positions); at cp=2 x tp=2
 and dp_shard=2 x cp=2 (world 4); two AdamW steps equal too.  A model that mixes positions
 outside attention (Mamba's convolution over time) is refused at parallelize time, naming
-the module and op; ``generate()`` (a KV cache) is refused clearly; a sharded checkpoint
-taken at cp=2 resumes at cp=1.
+the module and op; ``generate()`` (a KV cache) is refused clearly, and so is a loader that hands the ranks
+of a CP group different sequences; a sharded checkpoint taken at cp=2 resumes at cp=1.
 """
 
 from __future__ import annotations
@@ -117,6 +117,13 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
         model.generate(ids, max_new_tokens=2, do_sample=False)
     except TPError as err:
         result["generate"] = str(err)
+    # a loader that hands the ranks of a CP group different sequences is refused
+    other = tpcompile.parallelize(_build("llama", "sdpa"), cp=2)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(rank))
+    try:
+        other(input_ids=ids, labels=ids)
+    except TPError as err:
+        result["batches"] = str(err)
     return result
 
 
@@ -160,4 +167,5 @@ def test_context_parallel_refuses_what_it_cannot_split(world2: CaseResults) -> N
         assert "mixes positions outside attention" in r["mamba"] and "conv1d" in r["mamba"], r["mamba"]
         assert "mixer" in r["mamba"], r["mamba"]
         assert "KV cache" in r["generate"], r["generate"]
+        assert "different batches" in r["batches"], r["batches"]
         assert r["resumed"] < TOL, r

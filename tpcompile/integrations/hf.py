@@ -80,6 +80,10 @@ def data_mesh(model: nn.Module) -> DeviceMesh:
         raise TPError("this model was not transformed: call tpcompile.transform(model, tp=...) or "
                       "tpcompile.parallelize(model, ...) before handing it to the Trainer / accelerate")
     mesh: DeviceMesh = model.tpcompile_mesh
+    if getattr(model, "tpcompile_context", None) is not None:
+        raise TPError("a context-parallel model (cp > 1) under the HF Trainer / accelerate is not supported yet: "
+                      "their loaders would hand the ranks of a CP group different batches. Use your own loop "
+                      "and load the slice tpcompile.data_parallel_rank(model) names")
     if mesh.ndim == 1 and dist.get_world_size() != mesh.size():
         raise TPError(
             f"a transform()-ed model at tp={mesh.size()} in a world of {dist.get_world_size()}: nothing would "

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import TPError
 from . import comm
+from .markers import input_checksum
 
 __all__ = ["ContextParallel", "cp_attention", "gather_sequence", "install_context_parallel"]
 
@@ -58,6 +59,7 @@ class ContextParallel:
         self.k_real: torch.Tensor | None = None  # [S] keys inside the caller's length
         self.order: torch.Tensor | None = None  # gathered index -> global position index
         self.length = 0  # the caller's sequence length (before padding)
+        self.checks_left = 2  # training forwards whose batch is compared over the group
 
     def index(self, length: int, rank: int, device: torch.device) -> torch.Tensor:
         """The positions rank ``rank`` holds of a padded length: chunks r and 2cp-1-r."""
@@ -80,6 +82,7 @@ class ContextParallel:
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise TPError("context parallelism splits whole sequences: a KV cache (generate's decode steps) is "
                           "not supported on a CP model; generate on the model saved and loaded without cp")
+        self._same_batch(ids, kwargs.get("labels"))
         b, length = ids.shape
         padded = -(-length // (2 * self.size)) * (2 * self.size)
         pad = padded - length
@@ -111,6 +114,21 @@ class ContextParallel:
             kwargs["shift_labels"] = kwargs["labels"] = shift[:, mine]
         _ACTIVE[0] = self
         return args, kwargs
+
+    def _same_batch(self, ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+        """Every rank of the group must hold the same sequences (a loader that shards by
+        process would train a silently wrong model): compared in the first training
+        forwards, one small all-gather each."""
+        if self.checks_left <= 0 or not torch.is_grad_enabled():
+            return
+        self.checks_left -= 1
+        sums = torch.stack([input_checksum(t) for t in (ids, labels) if t is not None])
+        everyone = [torch.empty_like(sums) for _ in range(self.size)]
+        dist.all_gather(everyone, sums, group=self.group)
+        if any(not torch.equal(s, everyone[0]) for s in everyone):
+            raise TPError("the ranks of a context-parallel group received different batches: every rank of a CP "
+                          "group must be handed the same whole sequences (the model splits them itself); load "
+                          "the slice tpcompile.data_parallel_rank(model) names")
 
     def allowed(self, causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``[b, 1, s_local, S]``: which gathered keys each local query attends to, and

@@ -81,7 +81,7 @@ class _InputGuard:
                    if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
         if not tensors:
             return
-        sums = torch.stack([_checksum(t) for t in tensors])
+        sums = torch.stack([input_checksum(t) for t in tensors])
         group = _tp_group(model)
         everyone = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, sums, group=group)
@@ -96,7 +96,8 @@ class _InputGuard:
                 "slice tpcompile.data_parallel_rank(model) names")
 
 
-def _checksum(t: torch.Tensor) -> torch.Tensor:
+def input_checksum(t: torch.Tensor) -> torch.Tensor:
+    """Length, sum and position-weighted sum of an integer tensor: equal batches, equal sums."""
     flat = t.detach().reshape(-1).long()
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
     return torch.stack([torch.tensor(flat.numel(), device=flat.device), flat.sum(), (flat * weights).sum()])
