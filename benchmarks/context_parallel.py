@@ -73,12 +73,19 @@ class _Saved(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = getattr(t, "_local_tensor", t).untyped_storage()
+        self._count(getattr(t, "_local_tensor", t))
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:  # a wrapper (FP8): the tensors it holds
+                self._count(getattr(t, name))
+            return
+        storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.params and ptr not in self._seen:
             self._seen.add(ptr)
             self.bytes += storage.nbytes()
-        return t
 
 
 def _bench(rank: int, spec: Spec, seq: int, cp: int) -> dict[str, Any]:
