@@ -127,10 +127,71 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
     return result
 
 
+def _step_counts(model: torch.nn.Module, batch: dict) -> dict[str, dict[str, tuple[int, int]]]:
+    """(count, bytes passed in) of every all_gather / reduce_scatter_tensor / all_reduce in
+    one forward and one backward, after two warm-up steps (one-time checks)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    for _ in range(2):
+        model(**batch).loss.backward()
+    log: dict[str, list[int]] = {}
+    wrapped = {"all_gather": 1, "reduce_scatter_tensor": 1, "all_reduce": 0}
+
+    @contextlib.contextmanager
+    def counting() -> Any:
+        saved = {n: getattr(dist, n) for n in wrapped}
+
+        def wrap(name: str, where: int) -> Any:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                t = args[where]
+                log.setdefault(name, []).append(t.numel() * t.element_size())
+                return saved[name](*args, **kwargs)
+            return counted
+        for n, where in wrapped.items():
+            setattr(dist, n, wrap(n, where))
+        try:
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(dist, n, fn)
+
+    out = {}
+    with counting():
+        loss = model(**batch).loss
+    out["forward"], log = {k: (len(v), sum(v)) for k, v in log.items()}, {}
+    with counting():
+        loss.backward()
+    out["backward"] = {k: (len(v), sum(v)) for k, v in log.items()}
+    return out
+
+
+def _counted(rank: int, world: int) -> dict:
+    """CP's collectives as run (cp=2 minus cp=1, which keeps FSDP2's) equal dump-plan --cp's."""
+    from tpcompile.tools.cost import estimate_cost
+
+    batch = _batch(12, False)
+    ran = [_step_counts(tpcompile.parallelize(_build("llama", "sdpa"), cp=c), batch) for c in (1, 2)]
+    with torch.device("meta"):
+        meta = _build("llama", "sdpa")
+    plan = tpcompile.plan_model(meta, tp=1)
+    priced = {}
+    for phase in ("forward", "backward"):
+        steps = [estimate_cost(meta, plan, batch=2, seq=12, cp=c)["per_step"][phase] for c in (1, 2)]
+        priced[phase] = {op: (steps[1][op]["count"] - steps[0][op]["count"], steps[1][op]["bytes"] - steps[0][op]["bytes"])
+                         for op in ("all_gather", "reduce_scatter_tensor", "all_reduce")}
+    diff = {phase: {op: tuple(b - a for a, b in zip(ran[0][phase].get(op, (0, 0)), ran[1][phase].get(op, (0, 0)),
+                                                      strict=True))
+                    for op in ("all_gather", "reduce_scatter_tensor", "all_reduce")} for phase in ran[0]}
+    return {"ran": diff, "priced": priced}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases: dict = {key: (_compare, *spec) for key, spec in CASES.items()}
     cases["refusals"] = (_refusals, str(tmp_path_factory.mktemp("cp")))
+    cases["counted"] = (_counted,)
     return run_cases(2, cases, timeout=900)
 
 
@@ -169,3 +230,10 @@ def test_context_parallel_refuses_what_it_cannot_split(world2: CaseResults) -> N
         assert "KV cache" in r["generate"], r["generate"]
         assert "different batches" in r["batches"], r["batches"]
         assert r["resumed"] < TOL, r
+
+
+@pytest.mark.slow
+def test_context_parallel_collectives_are_priced_as_they_run(world2: CaseResults) -> None:
+    for r in world2["counted"]:
+        assert r["ran"] == r["priced"], r
+        assert r["ran"]["forward"]["all_gather"][0] > 0 and r["ran"]["backward"]["reduce_scatter_tensor"][0] > 0, r

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -29,7 +30,7 @@ from ..analysis.tokens import Mixes, Tokens, propagate_tokens
 from ..capture import capture, example_inputs
 from ..errors import TPError
 
-__all__ = ["ATTENTION_OPS", "check_context"]
+__all__ = ["ATTENTION_OPS", "check_context", "context_capture"]
 
 aten = torch.ops.aten
 # the attention core: positions meet here, through the gathered keys and values
@@ -53,9 +54,9 @@ def _sdpa(model: nn.Module) -> Iterator[None]:
             c._attn_implementation_internal = value
 
 
-def check_context(model: nn.Module, rules: RuleSet) -> int:
-    """Raise unless every op of ``model`` outside attention is position-local; returns the
-    number of attention ops found (at least one: otherwise CP has nothing to split)."""
+def context_capture(model: nn.Module) -> tuple[Any, dict[fx.Node, Tokens]]:
+    """The model captured as context parallelism sees it (sdpa attention, the position
+    ids an input), and the token tags of its inputs (the ids and positions)."""
     # the positions are inputs too: the runtime hands every rank its slice of the global
     # position ids, so rotary tables and position embeddings are split like the tokens
     kwargs = example_inputs(model)
@@ -67,8 +68,15 @@ def check_context(model: nn.Module, rules: RuleSet) -> int:
     kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with _sdpa(model):
         cap = capture(model, example_kwargs=kwargs)
-    tags: dict[fx.Node, Tokens] = {n: Tokens(1) for n in cap.graph.nodes if n.op == "placeholder"
-                                   and any(n.target in (k, f"kwargs_{k}") for k in (ids_name, "position_ids"))}
+    tags = {n: Tokens(1) for n in cap.graph.nodes if n.op == "placeholder"
+            and any(n.target in (k, f"kwargs_{k}") for k in (ids_name, "position_ids"))}
+    return cap, tags
+
+
+def check_context(model: nn.Module, rules: RuleSet) -> int:
+    """Raise unless every op of ``model`` outside attention is position-local; returns the
+    number of attention ops found (at least one: otherwise CP has nothing to split)."""
+    cap, tags = context_capture(model)
     values = _value_nodes(cap.graph)
     attention = 0
     for node in cap.graph.nodes:

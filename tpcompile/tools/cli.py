@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="FSDP2 shard degree on top of --tp, for the cost section (default 1: no FSDP)")
     dump.add_argument("--batch", type=_positive_int, help="sequences per step per rank, for the cost section")
     dump.add_argument("--seq", type=_positive_int, help="sequence length, for the cost section")
+    dump.add_argument("--cp", type=_positive_int, default=1,
+                      help="price context parallelism over this many ranks (parallelize(cp=...))")
     dump.add_argument("--fp8", action="store_true",
                       help="price FP8 projections (transform(fp8=True)): their amax all-reduces")
     dump.set_defaults(handler=_cmd_dump_plan)
@@ -230,7 +232,8 @@ def _cmd_dump_plan(args: argparse.Namespace) -> int:
     from .cost import estimate_cost
 
     try:  # what one training step costs per rank (collectives as executed, memory)
-        cost = estimate_cost(model, plan, batch=args.batch, seq=args.seq, dp_shard=args.dp_shard, fp8=args.fp8)
+        cost = estimate_cost(model, plan, batch=args.batch, seq=args.seq, dp_shard=args.dp_shard, fp8=args.fp8,
+                             cp=args.cp)
     except TPError as exc:
         return _fail(str(exc))
     if args.format == "json":

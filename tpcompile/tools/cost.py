@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..analysis.propagate import innermost_module
 from ..capture import Capture, capture
 from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
@@ -378,15 +379,78 @@ def _totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict
     return out
 
 
+def _cp_issues(model: nn.Module, plan: Plan, cp: int) -> list[Issue]:
+    """Context parallelism's collectives (runtime/context.py): per attention call, the keys
+    and the values all-gathered over the CP group in forward (each rank passes its 1/cp
+    of the positions, its TP-local KV heads) and their gradients reduce-scattered in
+    backward (the gathered tensor passed in); one all-reduce of the loss."""
+    from ..plan.context import ATTENTION_OPS, context_capture
+
+    cap, _ = context_capture(model)
+    tokens = _capture_tokens(cap)
+    issues: list[Issue] = []
+    for node in cap.graph.nodes:
+        if node.target not in ATTENTION_OPS:
+            continue
+        module = innermost_module(node)
+        expanded = cap.stacks.expand(module)
+        for arg, what in ((node.args[1], "keys"), (node.args[2], "values")):
+            arg = _before_repeat(arg)  # gathered before repeat_kv: only the KV heads move
+            local = Fraction(_nbytes(arg), tokens) * _local_fraction(arg, cap, plan)  # per token, TP-local
+            base = dict(source=module, op="all_gather", group="cp", count=len(expanded), label=_label(expanded))
+            issues.append(Issue(**base, phase="forward", what=f"{what} (this rank's positions)",
+                                bytes_per_token=local / cp))
+            issues.append(Issue(**{**base, "op": "reduce_scatter_tensor"}, phase="backward",
+                                what=f"gradient of the gathered {what}", bytes_per_token=local))
+    issues.append(Issue(source="loss", phase="forward", op="all_reduce", group="cp", count=1, fixed_bytes=4,
+                        what="the sequence's loss (sum of the ranks' parts)"))
+    return issues
+
+
+_SHAPE_OPS = {aten.expand.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+              aten.unsqueeze.default, aten.clone.default, aten.contiguous.default, aten.slice.Tensor}
+
+
+def _before_repeat(node: fx.Node) -> fx.Node:
+    """The smallest tensor ``node`` is a reshaped / expanded copy of (keys before
+    ``repeat_kv``: ``k[:, :, None].expand(...).reshape(...)``)."""
+    best, n = node, node
+    while n.op == "call_function" and n.target in _SHAPE_OPS and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+        if _nbytes(n) < _nbytes(best):
+            best = n
+    return best
+
+
+def _local_fraction(node: fx.Node, cap: Capture, plan: Plan) -> Fraction:
+    """How much of ``node``'s features a TP rank holds: that of the projection producing
+    them (1 when nothing is split)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for a in n.all_input_nodes:
+            fqn = cap.param_of_placeholder.get(a.target) if a.op == "placeholder" else None
+            pp = plan.params.get(fqn) if fqn else None
+            if pp is not None and len(pp.global_shape) == 2 and plan.tp > 1:
+                return Fraction(pp.local_shape[0], pp.global_shape[0])
+        todo.extend(a for a in n.all_input_nodes if a.op != "placeholder")
+    return Fraction(1)
+
+
 def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq: int | None = None,
-                  dp_shard: int = 1, fp8: bool = False) -> dict[str, Any]:
+                  dp_shard: int = 1, fp8: bool = False, cp: int = 1) -> dict[str, Any]:
     """The ``cost`` section of ``dump-plan``: per-rank collectives and memory of one step.
 
     ``batch × seq`` are the tokens each TP group processes per step (each data-parallel
     rank's micro-batch); without them, collective bytes are given per token (plus the
     fixed, parameter-sized part) and activations are left out. ``dp_shard > 1`` adds
     FSDP2 (``FULL_SHARD``) on top of ``tp``, as ``tpcompile.parallelize`` builds it.
-    ``fp8=True`` adds the amax all-reduces of FP8 projections (``fp8=True`` in transform).
+    ``fp8=True`` adds the amax all-reduces of FP8 projections (``fp8=True`` in transform);
+    ``cp > 1`` context parallelism's key / value all-gathers (``batch × seq`` are then
+    the whole sequences a CP group shares).
 
     Example:
         >>> plan = plan_model(model, tp=2)                          # doctest: +SKIP
@@ -405,6 +469,8 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         issues += fsdp_issues(model, plan, dp_shard)
     if fp8 and plan.tp > 1:
         issues += fp8_issues(model, plan)
+    if cp > 1:
+        issues += _cp_issues(model, plan, cp)
     tokens = None if batch is None else batch * seq
     mem: dict[str, Any] = memory(model, plan, dp_shard)
     notes = []
@@ -419,7 +485,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         notes.append("activations need --batch and --seq")
     mem["total"] = sum(v for v in mem.values() if v is not None)
     return {
-        "tp": plan.tp, "dp_shard": dp_shard, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
+        "tp": plan.tp, "dp_shard": dp_shard, "cp": cp, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
         "per_step": _totals(issues, tokens),
         "memory_per_rank": mem,
         "activations": activations,

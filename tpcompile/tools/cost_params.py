@@ -24,7 +24,7 @@ class Issue:
     source: str  # module FQN (the traced representative), "loss", or "fsdp:<unit>"
     phase: str  # "forward" | "backward"
     op: str  # a name of COLLECTIVES
-    group: str  # "tp" | "dp_shard"
+    group: str  # "tp" | "dp_shard" | "cp"
     count: int
     bytes_per_token: Fraction = Fraction(0)
     fixed_bytes: int = 0
