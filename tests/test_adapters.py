@@ -9,9 +9,10 @@ adapters' random initialisation must match too):
   optimizer built right after holds the planned parameters; 3 AdamW losses (rel 1e-4)
   and every gradient of step 1 in HF rows (1e-5); the same trainable parameters;
 * ``transform`` of a ``PeftModel`` (the other order): logits, loss, every gradient; and
-  ``parallelize`` of one at dp_shard 2 x tp 2 (world 4): 3 AdamW losses;
+  LoRA with ``parallelize`` at dp_shard 2 x tp 2 (world 4) in both orders: 3 AdamW losses;
 * a hand-written adapter module is planned the same way; one that would re-split the
-  module under it, or one added after ``parallelize``, is refused naming it;
+  module under it, or one added after ``parallelize`` with activation checkpointing, is
+  refused naming it;
 * other kinds: IA3 and LoRA on the embedding exact in both orders, ``modules_to_save``
   exact when added first, DoRA refused naming why;
 * saving: adapter files (PEFT's format, HF shapes, rank 0) that plain PEFT loads onto an
@@ -219,7 +220,7 @@ def _by_hand(rank: int, world: int) -> dict:
             whole(ids)
         except TPError as err:
             out[f"whole{i}"] = str(err)
-    fsdp = tpcompile.parallelize(_build().eval(), tp=world)
+    fsdp = tpcompile.parallelize(_build().eval(), tp=world, activation_checkpointing=True)
     fsdp.model.layers[0].self_attn.q_proj = _Adapter(fsdp.model.layers[0].self_attn.q_proj)
     try:
         list(fsdp.parameters())
@@ -276,14 +277,21 @@ def _saves(rank: int, world: int, out: str, order: str) -> dict:
     return result
 
 
-def _fsdp(rank: int, world: int) -> dict:
-    """A PeftModel under parallelize (dp_shard 2 x tp 2): 3 AdamW steps equal one process."""
+def _fsdp(rank: int, world: int, order: str) -> dict:
+    """LoRA and parallelize (dp_shard 2 x tp 2), in either order: 3 AdamW steps equal one
+    process (after: each adapter module becomes an FSDP2 unit of its own)."""
     from peft import get_peft_model
 
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    base = _build()
     torch.manual_seed(1)
-    ref = get_peft_model(_build(), _lora(["q_proj", "v_proj", "down_proj"]))
-    model = tpcompile.parallelize(copy.deepcopy(ref), tp=2)
+    ref = get_peft_model(base, _lora(["q_proj", "v_proj", "down_proj"]))
+    if order == "before":
+        model = tpcompile.parallelize(copy.deepcopy(ref), tp=2)
+    else:
+        parallel = tpcompile.parallelize(_build(), tp=2)
+        torch.manual_seed(1)
+        model = get_peft_model(parallel, _lora(["q_proj", "v_proj", "down_proj"]))
     losses = []
     for m in (ref, model):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
@@ -300,12 +308,13 @@ def _fsdp(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world4() -> CaseResults:
-    return run_cases(4, {"fsdp": (_fsdp,)}, timeout=900)
+    return run_cases(4, {f"fsdp_{o}": (_fsdp, o) for o in ("before", "after")}, timeout=900)
 
 
 @pytest.mark.slow
-def test_a_peft_model_under_fsdp2_and_tp_trains_exactly(world4: CaseResults) -> None:
-    for r in world4["fsdp"]:
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lora_and_parallelize_in_either_order_train_exactly(world4: CaseResults, order: str) -> None:
+    for r in world4[f"fsdp_{order}"]:
         for got, want in zip(r["fsdp"], r["ref"], strict=True):
             assert abs(got - want) <= 1e-4 * abs(want), r
 
@@ -360,7 +369,8 @@ def test_modules_added_by_hand_are_planned_or_refused_naming_them(world2: CaseRe
         assert r["by_hand"] < TOL and r["b_split"] == "S(0)", r
         assert "model.layers.1.mlp.up_proj" in r["whole0"] and "changes how" in r["whole0"], r["whole0"]
         assert "model.layers.1.mlp.up_proj (test_adapters._Whole)" in r["whole1"], r["whole1"]
-        assert "after tpcompile.parallelize" in r["parallelized"] and "q_proj" in r["parallelized"], r
+        assert "after tpcompile.parallelize with cp / ep / activation checkpointing" in r["parallelized"], r
+        assert "q_proj" in r["parallelized"], r
 
 
 @pytest.mark.slow

@@ -262,6 +262,7 @@ def parallelize(
         Materializer.prepare(model, cfg) if load_from is None
         else CheckpointLoader.prepare(model, load_from))
     # the analysis also names the transformer blocks (the FSDP and checkpoint units)
+    given = plan is not None
     plan = _resolve_plan(model, cfg.tp, plan, loss_parallel=False, sequence_parallel=cfg.sequence_parallel,
                          ep=cfg.ep) if plan is not None else plan_model(
         model, cfg.tp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)
@@ -270,8 +271,12 @@ def parallelize(
         check_context(model, RuleSet().add(default_rules()))
     tp_mesh = mesh["tp"] if cfg.tp > 1 else None
     backend = make_backend("auto", tp_mesh) if tp_mesh is not None else None
+    def replan(adapted: nn.Module) -> Plan:  # modules added later (adapters) are planned the same way
+        return plan_model(adapted, cfg.tp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)
+
     return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
-                       device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter))
+                       device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter,
+                       replan=None if given else replan))
 
 
 def _is_default(value: Any, default: Any) -> bool:

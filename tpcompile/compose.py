@@ -42,7 +42,7 @@ from .runtime.adapters import adopt_plan, global_twin, size_adapters_globally
 from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.context import install_context_parallel
 from .runtime.experts import shard_experts
-from .runtime.fsdp import fully_shard_model
+from .runtime.fsdp import fully_shard_model, shard_added_modules
 from .runtime.guard import planned_names, watch_tree
 from .runtime.loss import install_local_loss, install_loss_parallel
 from .runtime.markers import mark_model
@@ -217,9 +217,10 @@ def adopt_new_modules(job: Job, found: list[str]) -> None:
             model.tpcompile_table = model.tpcompile_table.renamed(lambda k: renamed_fqn(k, new_name.get), cls)
         _watch(job)
         return
-    if job.cfg is not None:
-        raise TPError(f"{', '.join(found[:4])} were added after tpcompile.parallelize; FSDP2 already holds the "
-                      "parameters, so modules cannot be planned into it any more. Add adapters before "
+    if job.cfg is not None and (job.cfg.cp > 1 or job.cfg.ep > 1 or job.cfg.activation_checkpointing
+                                or job.cfg.activation_offloading):
+        raise TPError(f"{', '.join(found[:4])} were added after tpcompile.parallelize with cp / ep / activation "
+                      "checkpointing or offloading, which wrapped the blocks already. Add adapters before "
                       "parallelize (get_peft_model(model, config) first, then parallelize the PeftModel)")
     if job.tp_mesh is not None:
         if job.replan is None:
@@ -235,6 +236,10 @@ def adopt_new_modules(job: Job, found: list[str]) -> None:
         adopt_plan(model, old, new, job.backend)
         model.tpcompile_table = build_table(twin, new)
         job.plan = new
+    if job.cfg is not None:  # FSDP2 units for the new parameters, each module its own
+        added = [m for m in model.modules() if not m.__dict__.get("_tpcompile_planned")
+                 and any(p is not None for p in m._parameters.values())]
+        shard_added_modules(model, added, job.cfg, job.mesh, job.device)
     _watch(job)
 
 

@@ -174,12 +174,14 @@ def global_twin(model: nn.Module, plan: Plan) -> nn.Module:
     def clone(mod: nn.Module) -> nn.Module:
         if id(mod) in clones:
             return clones[id(mod)]
-        twin = object.__new__(type(mod))
+        twin = object.__new__(_plain_class(type(mod)))
         clones[id(mod)] = twin
         state = {k: v for k, v in mod.__dict__.items() if not _ours(k, v)}
         for k, v in state.items():
             if "hooks" in k and isinstance(v, dict):
                 state[k] = OrderedDict()  # tpcompile's collectives, state-dict hooks, guards
+            elif isinstance(v, nn.Module):  # a module held as a plain attribute: its twin
+                state[k] = clone(v)
         state["_parameters"] = {k: meta(p) for k, p in mod._parameters.items()}
         state["_buffers"] = {k: meta(b) for k, b in mod._buffers.items()}
         state["_modules"] = {k: None if c is None else clone(c) for k, c in dict.items(mod._modules)}
@@ -202,9 +204,19 @@ def global_twin(model: nn.Module, plan: Plan) -> nn.Module:
     return twin
 
 
+def _plain_class(cls: type) -> type:
+    """The model's own class behind FSDP2's ``FSDP<Class>`` (``fully_shard`` swaps it in)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(c for c in cls.__mro__[1:] if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
+
+
 def _ours(key: str, value: Any) -> bool:
-    """An instance attribute tpcompile set (its marks, bound methods, loss functions)."""
-    if key.startswith(("tpcompile", "_tpcompile")):
+    """An instance attribute tpcompile (its marks, bound methods, loss functions) or
+    FSDP2 (its per-module state) set."""
+    if key.startswith(("tpcompile", "_tpcompile", "__composable_api_state_key")):  # ours, FSDP2's state
         return True
     fn = getattr(value, "__func__", value)
     return callable(fn) and getattr(fn, "__module__", "").startswith("tpcompile.")

@@ -16,12 +16,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from ..config import ParallelConfig
 from .mesh import ParallelDims
 
-__all__ = ["fully_shard_model"]
+__all__ = ["fully_shard_model", "shard_added_modules"]
 
 
-def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
-                      device: str, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> None:
-    """Wrap ``blocks`` (then the root) with ``fully_shard`` on ``mesh``'s data-parallel dims."""
+def _shard_kwargs(cfg: ParallelConfig, mesh: DeviceMesh, device: str) -> dict[str, Any]:
     # a 2-D (replicate, shard) mesh is HSDP; NO_SHARD is HSDP with shard groups of 1
     dp_mesh = ParallelDims.data_mesh(mesh, cfg.dp_replicate > 1)
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": cfg.reshard_after_forward}
@@ -29,6 +27,29 @@ def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, 
         kwargs["mp_policy"] = cfg.mixed_precision
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")  # pinning needs CUDA
+    return kwargs
+
+
+def shard_added_modules(model: nn.Module, modules: list[nn.Module], cfg: ParallelConfig, mesh: DeviceMesh,
+                        device: str) -> None:
+    """FSDP2 units for modules added after ``parallelize`` (adapters, planned on the fly):
+    each one owning parameters becomes a unit of its own inside its block's.  Only before
+    the first forward: FSDP2 collects its units then."""
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    if state is not None and getattr(state, "_is_root", None) is not None:
+        from ..errors import TPError
+
+        raise TPError("modules were added to a parallelized model after its first forward; FSDP2 has fixed its "
+                      "units by then: add adapters right after tpcompile.parallelize, before training")
+    kwargs = _shard_kwargs(cfg, mesh, device)
+    for module in modules:
+        fully_shard(module, **kwargs)
+
+
+def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
+                      device: str, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> None:
+    """Wrap ``blocks`` (then the root) with ``fully_shard`` on ``mesh``'s data-parallel dims."""
+    kwargs = _shard_kwargs(cfg, mesh, device)
     if experts:
         # each experts module is its own unit, sharded over efsdp only (ep already split
         # it), inside its block's unit (torchtitan's nesting). Its gradient sums every
