@@ -5,7 +5,8 @@ Over gloo, against the same trainer in one process (fp32, same seeds, rel 1e-4):
 * ``SFTTrainer`` on ``transform(model, tp=2)``: plain, and with ``peft_config`` (LoRA
   added by the trainer after transform, planned on the fly); the logged ``num_tokens``
   counts each sample once (not once per TP rank);
-* ``SFTTrainer`` on ``parallelize(model, tp=2)`` in a world of 4 (dp_shard 2 x tp 2);
+* ``SFTTrainer`` on ``parallelize(model, tp=2)`` in a world of 4 (dp_shard 2 x tp 2),
+  plain and with ``peft_config``;
 * ``DPOTrainer`` with a LoRA policy (the reference is the policy with its adapters
   disabled) at tp=2, 3 steps.
 
@@ -125,18 +126,18 @@ def _tp(rank: int, world: int, out: str, what: str) -> Any:
     return _sft(model, f"{out}/{what}-{rank}", 4, what == "sft_lora")
 
 
-def _fsdp(rank: int, world: int, out: str) -> Any:
+def _fsdp(rank: int, world: int, out: str, lora: bool) -> Any:
     import tpcompile
 
     _launched(rank, world)
-    return _sft(tpcompile.parallelize(_model(), tp=2), f"{out}/fsdp-{rank}", 2, False)  # 2 dp ranks x 2
+    return _sft(tpcompile.parallelize(_model(), tp=2), f"{out}/fsdp-{lora}-{rank}", 2, lora)  # 2 dp ranks x 2
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = str(tmp_path_factory.mktemp("trl"))
     world2 = run_cases(2, {w: (_tp, out, w) for w in ("sft", "sft_lora", "dpo")}, timeout=900)
-    world4 = run_cases(4, {"sft": (_fsdp, out)}, timeout=900)
+    world4 = run_cases(4, {"sft": (_fsdp, out, False), "sft_lora": (_fsdp, out, True)}, timeout=900)
     return {"ref": _single_process(out), "world2": world2, "world4": world4}
 
 
@@ -158,6 +159,7 @@ def test_trl_trainers_on_a_tp2_model_equal_one_process(runs: dict, what: str) ->
 
 
 @pytest.mark.slow
-def test_sft_trainer_on_a_dp2_tp2_model_equals_one_process(runs: dict) -> None:
-    for got in runs["world4"]["sft"]:
-        _close(got, runs["ref"]["sft"])
+@pytest.mark.parametrize("what", ["sft", "sft_lora"])
+def test_sft_trainer_on_a_dp2_tp2_model_equals_one_process(runs: dict, what: str) -> None:
+    for got in runs["world4"][what]:
+        _close(got, runs["ref"][what])
