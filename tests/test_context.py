@@ -5,7 +5,8 @@ mirrored chunks, gathers keys and values in attention and returns the whole sequ
 loss.  Against the single-process model (fp32): the loss, the logits put back in order
 (``gather_sequence``) and every gradient within 1e-5 — at cp=2 (world 2) for llama (sdpa
 and eager, an odd length, a left-padded batch with an ``attention_mask``), qwen3, mistral
-with a sliding window shorter than the sequence, gpt2 (absolute positions); at cp=2 x tp=2
+with a sliding window shorter than the sequence, gpt2 (absolute positions), packed sequences
+(position ids restarting) under activation checkpointing; at cp=2 x tp=2
 and dp_shard=2 x cp=2 (world 4); two AdamW steps equal too.  A model that mixes positions
 outside attention (Mamba's convolution over time) is refused at parallelize time, naming
 the module and op; ``generate()`` (a KV cache) is refused clearly, and so is a loader that hands the ranks
@@ -87,6 +88,25 @@ def _compare(rank: int, world: int, name: str, attn: str, length: int, padded: b
     return {"loss": (out.loss - want.loss).abs().item(), "logits": (logits[keep] - want.logits[keep]).abs().max().item(),
             "grads": grad, "step2": abs(losses[0] - losses[1]), "shape": list(logits.shape),
             "local": list(out.logits.shape), "dp": list(tpcompile.data_parallel_rank(model))}
+
+
+def _packed(rank: int, world: int) -> dict[str, float]:
+    """Three documents packed in one row (position ids restarting, no cache): each attends
+    to itself only, as transformers' own mask does; with activation checkpointing, whose
+    recompute runs the gathered attention again in backward."""
+    ref = _build("llama", "sdpa")
+    model = tpcompile.parallelize(copy.deepcopy(ref), cp=2, activation_checkpointing=True)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False,
+             "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])}
+    out, want = model(**batch), ref(**batch)
+    out.loss.backward()
+    want.loss.backward()
+    grads = dict(ref.named_parameters())
+    return {"loss": (out.loss - want.loss).abs().item(),
+            "logits": (gather_sequence(model, out.logits) - want.logits).abs().max().item(),
+            "grads": max(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - grads[n].grad)
+                         .abs().max().item() for n, p in model.named_parameters())}
 
 
 def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
@@ -192,6 +212,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases: dict = {key: (_compare, *spec) for key, spec in CASES.items()}
     cases["refusals"] = (_refusals, str(tmp_path_factory.mktemp("cp")))
     cases["counted"] = (_counted,)
+    cases["packed"] = (_packed,)
     return run_cases(2, cases, timeout=900)
 
 
@@ -237,3 +258,9 @@ def test_context_parallel_collectives_are_priced_as_they_run(world2: CaseResults
     for r in world2["counted"]:
         assert r["ran"] == r["priced"], r
         assert r["ran"]["forward"]["all_gather"][0] > 0 and r["ran"]["backward"]["reduce_scatter_tensor"][0] > 0, r
+
+
+@pytest.mark.slow
+def test_packed_sequences_with_activation_checkpointing(world2: CaseResults) -> None:
+    for r in world2["packed"]:
+        assert r["loss"] < TOL and r["logits"] < TOL and r["grads"] < TOL, r

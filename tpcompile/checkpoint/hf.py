@@ -44,15 +44,26 @@ from .atomic import PARTIAL_RE, distributed_atomic_dir
 from .parallel_write import Item, is_writer, write_files
 from .safetensors_io import SliceReader
 
-__all__ = [
-    "FULL_FORMAT", "file_names", "hf_state_dict", "iter_hf_tensors", "load_hf_weights", "nbytes",
-    "parse_size", "save_pretrained", "split_by_size",
-]
+__all__ = ["FULL_FORMAT", "file_names", "hf_state_dict", "iter_hf_tensors", "load_hf_weights", "nbytes",
+           "parse_size", "save_pretrained", "split_by_size", "transformed_part"]
 
 FULL_FORMAT = "tpcompile-full"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 META_NAME = "tpcompile.json"
+
+
+def transformed_part(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module tpcompile transformed inside ``model`` — ``model`` itself, or the base a
+    PEFT model wraps (adapters added after transform) — and its prefix in ``model``'s
+    state dict."""
+    if "tpcompile_table" in model.__dict__ or not hasattr(type(model), "get_base_model"):
+        return model, ""  # (PEFT forwards attribute lookups to its base: read the dict)
+    base = model.get_base_model()
+    if "tpcompile_table" not in base.__dict__:
+        return model, ""
+    name = next(n for n, m in model.named_modules() if m is base)
+    return base, f"{name}."
 
 
 def table_of(model: nn.Module, *, plain_ok: bool = False) -> TranslationTable:

@@ -97,25 +97,15 @@ def _patch_peft_save(peft_model: Any) -> None:
     cls.save_pretrained = save_pretrained
 
 
-def _transformed_part(model: nn.Module) -> tuple[nn.Module, str]:
-    """The transformed module of a PEFT model (itself, or the base it wraps) and its
-    prefix in the PEFT model's state dict."""
-    if "tpcompile_table" in model.__dict__:  # not PEFT's attribute forwarding to the base
-        return model, ""
-    base = model.get_base_model()
-    name = next(n for n, m in model.named_modules() if m is base)
-    return base, f"{name}."
-
-
 def _save_adapters(self: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     """PEFT's ``save_pretrained`` from the trainable tensors, gathered to rank 0 in HF shapes."""
-    from .hf import iter_hf_tensors, table_of
+    from .hf import iter_hf_tensors, table_of, transformed_part
 
     if kwargs.pop("state_dict", None) is not None:
         raise TPError("save_pretrained(state_dict=...) is not supported on a tpcompile PEFT model: the "
                       "adapters are gathered from the model itself")
     kwargs.pop("is_main_process", None)  # tpcompile decides: rank 0 writes
-    part, prefix = _transformed_part(self)
+    part, prefix = transformed_part(self)
     keys = [k for k in table_of(part).saved_keys() if getattr(lookup(part, k)[2], "requires_grad", False)]
     full = {prefix + k: v for k, v in iter_hf_tensors(part, keys, rank0_only=True, copy=True) if v is not None}
     if world()[0] == 0:

@@ -468,6 +468,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     if kind not in KINDS:
         raise TPError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    model = hf.transformed_part(model)[0]  # a PEFT model around a transformed one: its base
     _saves.finish()  # one save at a time; a failed one surfaces here
     root = Path(path)
     final = root / f"step-{step:08d}" if step is not None else root
@@ -503,6 +504,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Returns the ``extra`` data saved with it.
     """
     path = Path(path)
+    model = hf.transformed_part(model)[0]  # a PEFT model around a transformed one: its base
     if (path / LATEST).exists() and not (path / hf.META_NAME).exists():
         path = latest(path)
     hf.reject_partial(path)

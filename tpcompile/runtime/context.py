@@ -15,7 +15,8 @@ the sequence itself, around its own forward:
   keys and values over the CP group (before ``repeat_kv``: only the KV heads move;
   backward reduce-scatters their gradients) and attends the local queries to every key
   with the mask rebuilt from global positions: causal, the layer's sliding window, the
-  padding ``attention_mask``; softcapping and attention sinks as the layer passes them.
+  padding ``attention_mask``, packed sequences (as transformers reads them: without an
+  ``attention_mask`` or cache, a new document wherever the positions do not go up by one); softcapping and attention sinks as the layer passes them.
 * **Loss** (root post-hook): the local sums, each over this rank's tokens divided by the
   global count, are all-reduced into the loss of the whole sequence.  Its backward scales
   by ``cp``: FSDP2 averages gradients over ``dp_shard x cp`` and each rank holds the
@@ -53,10 +54,14 @@ class ContextParallel:
         # the model's own attention ("eager" / "sdpa"...): whose semantics a query with no
         # key to attend to follows
         self.implementation = implementation
+        self.use_cache = True  # the model config's default (packed sequences need it off)
         self.q_pos: torch.Tensor | None = None  # [b, s_local] global positions of local queries
         self.k_pos: torch.Tensor | None = None  # [b, S] positions of the gathered keys
         self.k_valid: torch.Tensor | None = None  # [b, S] keys that are not padding
         self.k_real: torch.Tensor | None = None  # [S] keys inside the caller's length
+        # packed sequences (position ids restarting at 0): which document each position is in
+        self.q_doc: torch.Tensor | None = None
+        self.k_doc: torch.Tensor | None = None
         self.order: torch.Tensor | None = None  # gathered index -> global position index
         self.length = 0  # the caller's sequence length (before padding)
         self.checks_left = 2  # training forwards whose batch is compared over the group
@@ -106,6 +111,12 @@ class ContextParallel:
         self.q_pos, self.k_pos = pos[:, mine], pos[:, order]
         self.k_valid, self.order, self.length = valid[:, order], order, length
         self.k_real = order < length
+        # packed sequences, as transformers reads them (no attention_mask, no cache): a new
+        # document wherever the positions do not go up by one
+        use_cache = kwargs.get("use_cache")
+        packed = mask is None and not (self.use_cache if use_cache is None else use_cache)
+        doc = torch.diff(pos, prepend=pos[:, :1] - 1, dim=1).ne(1).cumsum(1) if packed else torch.zeros_like(pos)
+        self.q_doc, self.k_doc = doc[:, mine], doc[:, order]
         kwargs["input_ids"] = ids[:, mine]
         kwargs["position_ids"] = self.q_pos
         if shift is not None:
@@ -136,7 +147,7 @@ class ContextParallel:
         q, k = self.q_pos[:, :, None], self.k_pos[:, None, :]
         ok = self.k_valid[:, None, :].expand(-1, q.shape[1], -1)
         if causal:
-            ok = ok & (k <= q)
+            ok = ok & (k <= q) & (self.k_doc[:, None, :] == self.q_doc[:, :, None])
         if window:
             ok = ok & (q - k < window)
         return ok[:, None], ~ok.any(dim=-1, keepdim=True)[:, None]
@@ -248,6 +259,7 @@ def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
 
     model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     model.register_forward_hook(post, with_kwargs=True)
+    cp.use_cache = bool(getattr(getattr(model, "config", None), "use_cache", True))
     model.tpcompile_context = cp
     return cp
 
