@@ -29,33 +29,13 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import row, section_result  # noqa: E402
+from common import SavedBytes, row, section_result  # noqa: E402
 
 from tpcompile.runtime import checkpoint_blocks, offload_activations  # noqa: E402
 from tpcompile.tools.presets import tiny_config  # noqa: E402
 
 MIB = 1 << 20
 MODES = ("plain", "checkpoint", "offload", "checkpoint+offload")
-
-
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the distinct storages saved for backward that are not parameters."""
-
-    def __init__(self, model: nn.Module) -> None:
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                self.storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        super().__init__(pack, lambda t: t)
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def build(layers: int, hidden: int) -> nn.Module:

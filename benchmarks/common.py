@@ -16,7 +16,47 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["host_info", "quiet_stderr", "row", "section_result", "spawn_ranks", "summarize"]
+import torch
+
+__all__ = ["SavedBytes", "host_info", "quiet_stderr", "row", "section_result", "spawn_ranks", "summarize"]
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages saved for backward that are not parameters: this
+    rank's shard of a DTensor, the tensors a wrapper subclass (FP8) holds.
+
+    Example:
+        >>> saved = SavedBytes(model)                                  # doctest: +SKIP
+        >>> with saved:
+        ...     loss = model(input_ids=ids, labels=ids).loss
+        >>> saved.total
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(_local(t))
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:  # a wrapper subclass: the tensors it holds
+                self._count(getattr(t, name))
+            return
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's local shard holds this rank's memory
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float | int]:

@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import row, section_result, spawn_ranks
-from torch import nn
+from common import SavedBytes, row, section_result, spawn_ranks
 
 MIB = 2**20
 LOSS_REL = 1e-4
@@ -64,30 +63,6 @@ QUICK = Spec(layers=2, hidden=256, heads=4, intermediate=704, seqs=(1024,), cps=
              repeats=2, timeout_s=900.0)
 
 
-class _Saved(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of distinct non-parameter storages saved for backward."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
-        self.bytes, self._seen = 0, set()
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._count(getattr(t, "_local_tensor", t))
-        return t
-
-    def _count(self, t: torch.Tensor) -> None:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            for name in t.__tensor_flatten__()[0]:  # a wrapper (FP8): the tensors it holds
-                self._count(getattr(t, name))
-            return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.params and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += storage.nbytes()
-
-
 def _bench(rank: int, spec: Spec, seq: int, cp: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +73,7 @@ def _bench(rank: int, spec: Spec, seq: int, cp: int) -> dict[str, Any]:
     model = tpcompile.parallelize(AutoModelForCausalLM.from_config(spec.config(seq)), cp=cp)
     ids = torch.randint(0, spec.vocab, (1, seq), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    saved = _Saved(model)
+    saved = SavedBytes(model)
     with saved:
         loss = model(input_ids=ids, labels=ids).loss
     first = loss.item()
@@ -115,7 +90,7 @@ def _bench(rank: int, spec: Spec, seq: int, cp: int) -> dict[str, Any]:
         dist.barrier()
         if i >= spec.warmup:
             times.append(time.perf_counter() - t0)
-    return {"saved": saved.bytes, "times": times, "loss": first}
+    return {"saved": saved.total, "times": times, "loss": first}
 
 
 def run(quick: bool) -> dict[str, Any]:

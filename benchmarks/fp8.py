@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import row, section_result, spawn_ranks
+from common import SavedBytes, row, section_result, spawn_ranks
 
 MIB = 2**20
 MODES = ("fp32", "bf16", "fp8")
@@ -72,7 +72,6 @@ def _batch(spec: Spec, step: int, rank: int) -> torch.Tensor:
 
 
 def _bench(rank: int, spec: Spec, mode: str) -> dict[str, Any]:
-    from context_parallel import _Saved
     from transformers import AutoModelForCausalLM
 
     import tpcompile
@@ -104,10 +103,10 @@ def _bench(rank: int, spec: Spec, mode: str) -> dict[str, Any]:
         dist.barrier()
         t0 = time.perf_counter()
         if measure:
-            hooks = _Saved(model)
+            hooks = SavedBytes(model)
             with hooks:
                 loss = model(input_ids=ids, labels=ids).loss
-            saved = hooks.bytes
+            saved = hooks.total
         else:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
