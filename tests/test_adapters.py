@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist import CaseResults, run_cases
+from dist import CaseResults, global_step, run_cases
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -296,14 +296,7 @@ def _fsdp(rank: int, world: int, order: str) -> dict:
     losses = []
     for m in (ref, model):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        run = []
-        for _ in range(3):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses.append(run)
+        losses.append([global_step(m, opt, ids) for _ in range(3)])  # each dp rank its slice
     return {"ref": losses[0], "fsdp": losses[1]}
 
 
@@ -332,21 +325,14 @@ def _resume(rank: int, world: int, out: str) -> dict:
         model = get_peft_model(tpcompile.transform(_build(), tp=world), _lora(["q_proj", "down_proj"]))
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
     model, opt = fresh()
     for _ in range(2):
-        step(model, opt)
+        global_step(model, opt, ids)
     tpcompile.checkpoint.save(out, model, opt, kind="sharded", step=2)
-    want = [step(model, opt) for _ in range(2)]
+    want = [global_step(model, opt, ids) for _ in range(2)]
     other, other_opt = fresh()
     tpcompile.checkpoint.load(out, other, other_opt)
-    got = [step(other, other_opt) for _ in range(2)]
+    got = [global_step(other, other_opt, ids) for _ in range(2)]
     return {"want": want, "got": got}
 
 

@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
-from ..runtime.markers import mark_model
+from ..runtime.markers import mark_model, mesh_degrees
 
 try:  # transformers is a dependency; the callback base class comes from it
     from transformers import TrainerCallback
@@ -103,7 +103,7 @@ def _set_accelerate_mesh(model: nn.Module) -> None:
                       "its own parallelism: drop parallelism_config / the accelerate parallelism settings")
     mesh._tpcompile_data_mesh = True  # ours: a later Trainer / model in this process may replace it
     state.device_mesh = mesh  # prepare_data_loader: process index // tp, dp processes
-    rep, shard, tp = _degrees_of(model)
+    rep, shard, tp = mesh_degrees(model)
     if tp > 1 and (getattr(state, "parallelism_config", None) is None or _is_ours(state)):
         state.parallelism_config = _degrees_config(rep, shard, tp, mesh)
 
@@ -220,7 +220,7 @@ class TrainerSupport(TrainerCallback):
         if model is not None and state.num_input_tokens_seen != self._tokens_seen:
             # gathered over every process: each TP group's batch was counted tp times
             seen = state.num_input_tokens_seen - self._tokens_seen
-            state.num_input_tokens_seen = self._tokens_seen + seen // _degrees_of(model)[2]
+            state.num_input_tokens_seen = self._tokens_seen + seen // mesh_degrees(model)[2]
         self._tokens_seen = state.num_input_tokens_seen
 
     def on_save(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
@@ -268,22 +268,16 @@ def support_trainers() -> None:
 
 def _transformed(model: nn.Module | None) -> nn.Module | None:
     """The tpcompile model the Trainer trains (itself, or the base a PEFT model wraps)."""
-    seen = 0
-    while model is not None and seen < 4:
-        if "tpcompile_mesh" in model.__dict__:
-            return model
-        get_base = getattr(type(model), "get_base_model", None)
-        model = get_base(model) if get_base is not None else getattr(model, "module", None)
-        seen += 1
+    from ..checkpoint.hf import transformed_part
+
+    for _ in range(4):  # through a wrapper's ``.module``
+        if model is None:
+            return None
+        part = transformed_part(model)[0]
+        if "tpcompile_mesh" in part.__dict__:
+            return part
+        model = getattr(model, "module", None)
     return None
-
-
-def _degrees_of(model: nn.Module) -> tuple[int, int, int]:
-    mesh: DeviceMesh = model.tpcompile_mesh
-    if mesh.ndim == 1:
-        return 1, 1, mesh.size()
-    names = mesh.mesh_dim_names
-    return tuple(mesh[n].size() for n in ("dp_replicate", "dp_shard", "tp")) if names else (1, 1, mesh.size())
 
 
 def _resume_folder(args: Any, step: int) -> Path:

@@ -30,7 +30,7 @@ from ..analysis.tokens import Mixes, Tokens, propagate_tokens
 from ..capture import capture, example_inputs
 from ..errors import TPError
 
-__all__ = ["ATTENTION_OPS", "check_context", "context_capture"]
+__all__ = ["ATTENTION_OPS", "attention_configs", "check_context", "context_capture"]
 
 aten = torch.ops.aten
 # the attention core: positions meet here, through the gathered keys and values
@@ -39,11 +39,18 @@ ATTENTION_OPS = (aten.scaled_dot_product_attention.default, aten._scaled_dot_pro
                  aten._scaled_dot_product_flash_attention.default)
 
 
+def attention_configs(model: nn.Module) -> list[Any]:
+    """Every config of ``model`` (and its sub-models) that picks an attention implementation."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "_attn_implementation")}
+    return list(configs.values())
+
+
 @contextlib.contextmanager
 def _sdpa(model: nn.Module) -> Iterator[None]:
     """Capture with transformers' sdpa attention: the CP runtime replaces the attention
     function whatever the model uses, so the core is one op in the graph."""
-    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    configs = attention_configs(model)
     saved = [(c, c.__dict__.get("_attn_implementation_internal", None)) for c in configs]
     try:
         for c in configs:

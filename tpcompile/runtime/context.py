@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TPError
+from ..plan.context import attention_configs
 from . import comm
 from .markers import input_checksum
 
@@ -180,14 +181,14 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         raise TPError("a context-parallel attention ran outside its model's forward")
     key, value = comm.enter_tp(key, cp.group, 2), comm.enter_tp(value, cp.group, 2)
     allowed, empty = cp.allowed(bool(getattr(module, "is_causal", True)), sliding_window)
-    real = cp.k_real.view(1, 1, 1, -1)
     p = dropout if module.training else 0.0
     if cp.implementation == "sdpa" and softcap is None and s_aux is None:
         # a row without keys is left to torch's sdpa, as transformers' sdpa path leaves it
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=p, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = _eager(query, key, value, allowed, empty & ~real, p, scaling, softcap, s_aux)
+        outside = empty & ~cp.k_real.view(1, 1, 1, -1)  # CP's padding keys, for rows without keys
+        out = _eager(query, key, value, allowed, outside, p, scaling, softcap, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -242,10 +243,8 @@ def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
     AttentionInterface.register(ATTENTION_KEY, cp_attention)
     AttentionMaskInterface.register(ATTENTION_KEY, _no_mask)
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
-    for mod in model.modules():
-        config = getattr(mod, "config", None)
-        if hasattr(config, "_attn_implementation"):
-            config._attn_implementation_internal = ATTENTION_KEY
+    for config in attention_configs(model):
+        config._attn_implementation_internal = ATTENTION_KEY
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), implementation)
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -22,12 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 
-__all__ = ["mark_model"]
+__all__ = ["input_checksum", "mark_model", "mesh_degrees"]
 
 _GUARDED_FORWARDS = 2  # training forwards whose inputs are compared across the TP group
 
 
-def _degrees(model: nn.Module) -> tuple[int, int, int]:
+def mesh_degrees(model: nn.Module) -> tuple[int, int, int]:
     """``(dp_replicate, dp_shard, tp)`` of a transformed or parallelized model."""
     mesh: DeviceMesh = model.tpcompile_mesh
     names = mesh.mesh_dim_names or ()
@@ -51,7 +51,7 @@ def mark_model(model: nn.Module) -> None:
         >>> model.is_distributed_loading_by_transformers, model.config.distributed_config.tp_size
         (True, 2)
     """
-    rep, shard, tp = _degrees(model)
+    rep, shard, tp = mesh_degrees(model)
     model._is_distributed_loading_by_transformers = True
     config = getattr(model, "config", None)
     if config is not None:
