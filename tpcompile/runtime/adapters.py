@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import global_config
-from ..errors import TPError
+from ..errors import TPError, listed
 from ..plan.modules import VocabEmbedding
 from ..plan.types import Plan
 from .apply import apply_plan
@@ -256,5 +256,4 @@ def adopt_plan(model: nn.Module, old: Plan, new: Plan, backend: Any) -> None:
 
 
 def _new_owner(new: Plan, old: Plan) -> str:
-    names = sorted({pp.module for k, pp in new.params.items() if k not in old.params})
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") or "new modules"
+    return listed(sorted({pp.module for k, pp in new.params.items() if k not in old.params}), 3) or "new modules"

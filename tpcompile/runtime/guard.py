@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import TPError
+from ..errors import TPError, listed
 
 __all__ = ["held", "planned_names", "settle", "unplanned_modules", "watch_tree"]
 
@@ -202,7 +202,7 @@ def _check(model: nn.Module, args: tuple) -> None:
     if not found:
         watch.changed = False  # a module set back to itself: nothing new
         return
-    shown = ", ".join(found[:_SHOWN]) + (f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else "")
+    shown = listed(found, _SHOWN)
     raise TPError(
         f"{len(found)} modules were added to or replaced in this model after tpcompile planned it, so they "
         f"would run on this rank's shards without the collectives they need (a silently wrong model): "
