@@ -87,7 +87,8 @@ def _compare(rank: int, world: int, name: str, attn: str, length: int, padded: b
         losses.append(m(**batch).loss.item())
     return {"loss": (out.loss - want.loss).abs().item(), "logits": (logits[keep] - want.logits[keep]).abs().max().item(),
             "grads": grad, "step2": abs(losses[0] - losses[1]), "shape": list(logits.shape),
-            "local": list(out.logits.shape), "dp": list(tpcompile.data_parallel_rank(model))}
+            "local": list(out.logits.shape), "dp": list(tpcompile.data_parallel_rank(model)),
+            "paths": sorted(model.tpcompile_context.paths)}
 
 
 def _packed(rank: int, world: int) -> dict[str, float]:
@@ -221,16 +222,51 @@ def world4() -> CaseResults:
     return run_cases(4, {key: (_compare, *spec) for key, spec in CASES4.items()}, timeout=900)
 
 
-def _check(r: dict, length: int) -> None:
+def _check(r: dict, length: int, padded: bool) -> None:
     assert r["loss"] < TOL and r["logits"] < TOL and r["grads"] < TOL and r["step2"] < 1e-4, r
     assert r["shape"][1] == length and r["local"][1] < length, r  # split, and put back whole
+    # plain positions run as blocks (no [s_local, S] mask); a padding mask needs the mask
+    assert r["paths"] == (["mask"] if padded else ["blocks"]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_block_attention_equals_the_masked_softmax(cp: int, dtype: torch.dtype) -> None:
+    """Each rank's two chunks against every key, as flash blocks merged by log-sum-exp,
+    equal sdpa with the whole causal (and sliding-window) mask: output and the gradients
+    of queries, keys and values; GQA (4 query heads on 2 key heads); float64 to rounding."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from tpcompile.runtime.context_attention import block_attention, block_layout
+
+    length, tol = 32, (1e-12 if dtype == torch.float64 else TOL)
+    chunk = length // (2 * cp)
+    gen = torch.Generator().manual_seed(0)
+    q_all, k, v, grad = (torch.randn(2, h, length, 8, generator=gen, dtype=dtype) for h in (4, 2, 2, 4))
+    for rank in range(cp):
+        mine = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                          torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+        for window in (None, 1, 3, chunk, chunk + 1, 2 * chunk + 3, length - 1, length):
+            got, want = [], []
+            for fn, into in ((True, got), (False, want)):
+                q, kk, vv = (t.clone().requires_grad_() for t in (q_all[:, :, mine], k, v))
+                if fn:
+                    out = block_attention(q, kk, vv, block_layout(rank, cp, length, window, dtype, q.device), None)
+                else:
+                    qp, kp = mine[:, None], torch.arange(length)[None]
+                    ok = (kp <= qp) & ((qp - kp < window) if window else True)
+                    out = sdpa(q, kk, vv, attn_mask=ok, enable_gqa=True)
+                (out * grad[:, :, mine]).sum().backward()
+                into.extend([out.detach(), q.grad, kk.grad, vv.grad])
+            err = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+            assert err < tol, (rank, window, err)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_context_parallel_cp2_is_exact(world2: CaseResults, case: str) -> None:
     for r in world2[case]:
-        _check(r, CASES[case][2])
+        _check(r, CASES[case][2], CASES[case][3])
         assert r["dp"] == [0, 1], r  # both ranks of the CP group get the same batch
 
 
@@ -238,7 +274,7 @@ def test_context_parallel_cp2_is_exact(world2: CaseResults, case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES4))
 def test_context_parallel_composes_with_tp_and_fsdp(world4: CaseResults, case: str) -> None:
     for rank, r in enumerate(world4[case]):
-        _check(r, CASES4[case][2])
+        _check(r, CASES4[case][2], CASES4[case][3])
         if case == "dp2_cp2":  # ranks 0,1 one CP group, 2,3 the other: two data shards
             assert r["dp"] == [rank // 2, 2], r
 

@@ -16,7 +16,12 @@ the sequence itself, around its own forward:
   backward reduce-scatters their gradients) and attends the local queries to every key
   with the mask rebuilt from global positions: causal, the layer's sliding window, the
   padding ``attention_mask``, packed sequences (as transformers reads them: without an
-  ``attention_mask`` or cache, a new document wherever the positions do not go up by one); softcapping and attention sinks as the layer passes them.
+  ``attention_mask`` or cache, a new document wherever the positions do not go up by one);
+  softcapping and attention sinks as the layer passes them.  Causal attention over plain
+  positions (no padding, no packed documents, no softcap, sinks or dropout) never builds
+  that ``[s_local, S]`` mask: it runs as flash blocks merged by log-sum-exp
+  (:mod:`tpcompile.runtime.context_attention`), so the saved bytes stay ``O(s_local)``
+  beyond the gathered keys.
 * **Loss** (root post-hook): the local sums, each over this rank's tokens divided by the
   global count, are all-reduced into the loss of the whole sequence.  Its backward scales
   by ``cp``: FSDP2 averages gradients over ``dp_shard x cp`` and each rank holds the
@@ -29,6 +34,7 @@ of the sequence is checked at parallelize time (:mod:`tpcompile.plan.context`).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -39,6 +45,7 @@ from torch import nn
 from ..errors import TPError
 from ..plan.context import attention_configs
 from . import comm
+from .context_attention import block_attention, block_layout, eager_attention
 from .markers import input_checksum
 
 __all__ = ["ContextParallel", "cp_attention", "gather_sequence", "install_context_parallel"]
@@ -64,7 +71,13 @@ class ContextParallel:
         self.q_doc: torch.Tensor | None = None
         self.k_doc: torch.Tensor | None = None
         self.order: torch.Tensor | None = None  # gathered index -> global position index
+        self.inverse: torch.Tensor | None = None  # global position index -> gathered index
         self.length = 0  # the caller's sequence length (before padding)
+        self.padded = 0  # the length split (a multiple of 2·cp)
+        # plain positions (0, 1, ...), no padding or packed documents: causal attention
+        # runs as blocks, without the [s_local, S] mask
+        self.plain = False
+        self.paths: Counter[str] = Counter()  # attention calls per core ("blocks" / "mask")
         self.checks_left = 2  # training forwards whose batch is compared over the group
 
     def index(self, length: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -110,7 +123,9 @@ class ContextParallel:
         mine = self.index(padded, self.rank, ids.device)
         order = torch.cat([self.index(padded, r, ids.device) for r in range(self.size)])
         self.q_pos, self.k_pos = pos[:, mine], pos[:, order]
-        self.k_valid, self.order, self.length = valid[:, order], order, length
+        self.k_valid, self.order, self.length, self.padded = valid[:, order], order, length, padded
+        self.inverse = torch.empty_like(order)
+        self.inverse[order] = torch.arange(order.numel(), device=order.device)
         self.k_real = order < length
         # packed sequences, as transformers reads them (no attention_mask, no cache): a new
         # document wherever the positions do not go up by one
@@ -118,6 +133,8 @@ class ContextParallel:
         packed = mask is None and not (self.use_cache if use_cache is None else use_cache)
         doc = torch.diff(pos, prepend=pos[:, :1] - 1, dim=1).ne(1).cumsum(1) if packed else torch.zeros_like(pos)
         self.q_doc, self.k_doc = doc[:, mine], doc[:, order]
+        self.plain = (not packed and bool(valid[:, :length].all())
+                      and torch.equal(pos, torch.arange(padded, device=pos.device).expand_as(pos)))
         kwargs["input_ids"] = ids[:, mine]
         kwargs["position_ids"] = self.q_pos
         if shift is not None:
@@ -180,40 +197,24 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if cp is None:
         raise TPError("a context-parallel attention ran outside its model's forward")
     key, value = comm.enter_tp(key, cp.group, 2), comm.enter_tp(value, cp.group, 2)
-    allowed, empty = cp.allowed(bool(getattr(module, "is_causal", True)), sliding_window)
+    causal = bool(getattr(module, "is_causal", True))
     p = dropout if module.training else 0.0
+    if cp.plain and causal and softcap is None and s_aux is None and p == 0.0 and query.device.type == "cpu":
+        # no row without keys here, so eager's and sdpa's semantics agree
+        cp.paths["blocks"] += 1
+        blocks = block_layout(cp.rank, cp.size, cp.padded, sliding_window, query.dtype, query.device)
+        key, value = key.index_select(2, cp.inverse), value.index_select(2, cp.inverse)  # global order
+        return block_attention(query, key, value, blocks, scaling).transpose(1, 2).contiguous(), None
+    cp.paths["mask"] += 1
+    allowed, empty = cp.allowed(causal, sliding_window)
     if cp.implementation == "sdpa" and softcap is None and s_aux is None:
         # a row without keys is left to torch's sdpa, as transformers' sdpa path leaves it
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=p, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
     else:
         outside = empty & ~cp.k_real.view(1, 1, 1, -1)  # CP's padding keys, for rows without keys
-        out = _eager(query, key, value, allowed, outside, p, scaling, softcap, s_aux)
+        out = eager_attention(query, key, value, allowed, outside, p, scaling, softcap, s_aux)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, outside: torch.Tensor,
-           p: float, scaling: float | None, softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention written out as transformers' eager attention computes it:
-    softcapped scores, masked keys at the dtype's minimum (so a row without keys averages
-    the whole sequence evenly), sinks as extra logits.  ``outside``: keys beyond the
-    caller's sequence (CP's padding), left out of such rows."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    # added, not filled: a row without keys then still passes gradients to its scores,
-    # as transformers' additive mask does
-    bias = torch.zeros((), dtype=scores.dtype, device=scores.device).expand_as(scores)
-    bias = bias.masked_fill(~allowed, torch.finfo(scores.dtype).min).masked_fill(outside, float("-inf"))
-    scores = scores + bias
-    if s_aux is not None:  # per-head sink logits, dropped after the softmax
-        sinks = s_aux.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-        probs = torch.softmax(torch.cat([scores, sinks.to(scores.dtype)], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return F.dropout(probs, p=p) @ v
 
 
 def gather_sequence(model: nn.Module, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -230,9 +231,7 @@ def gather_sequence(model: nn.Module, t: torch.Tensor, dim: int = 1) -> torch.Te
     parts = [torch.empty_like(t.contiguous()) for _ in range(cp.size)]
     dist.all_gather(parts, t.contiguous(), group=cp.group)
     gathered = torch.cat(parts, dim=dim)
-    inverse = torch.empty_like(cp.order)
-    inverse[cp.order] = torch.arange(cp.order.numel(), device=cp.order.device)
-    return gathered.index_select(dim, inverse[: cp.length])
+    return gathered.index_select(dim, cp.inverse[: cp.length])
 
 
 def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
