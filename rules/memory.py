@@ -22,6 +22,9 @@ __all__ = ["MEMORY_RULES"]
 aten = torch.ops.aten
 
 
+_LIKE = (aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.fill, aten.zero)
+
+
 @rule(
     aten.zeros, aten.ones, aten.empty, aten.full, aten.new_zeros, aten.new_ones, aten.new_empty,
     aten.new_full, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.fill,
@@ -29,7 +32,13 @@ aten = torch.ops.aten
     aten.zero,
 )
 def factory(an: Analysis, node: torch.fx.Node) -> object:
-    """A fresh tensor: no features, one value everywhere (its sizes may be global)."""
+    """A fresh tensor: no features, one value everywhere (its sizes may be global), and
+    no gradient even when made ``like`` a value that has one."""
+    an.fresh.add(node)
+    if getattr(node.target, "overloadpacket", None) in _LIKE:
+        v = an.val(node.args[0])
+        if isinstance(v, Feat):  # shaped like its input, local where the input is
+            return an.feat(v.atoms)
     if isinstance(an.meta(node), torch.Tensor):
         an.mark_uniform(node)
     return None

@@ -84,7 +84,7 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), **kw)
     if name == "mamba2":  # SSD mixer written with einsums over chunks and heads
         return hf.Mamba2ForCausalLM, hf.Mamba2Config(
-            hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, num_hidden_layers=2,
+            hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=4, num_hidden_layers=2,
             vocab_size=256, expand=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
     raise KeyError(f"no tiny builder for family {name!r}")

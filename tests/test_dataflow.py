@@ -194,6 +194,45 @@ def test_user_rule_places_unknown_op() -> None:
     assert plan.params["down.weight"].role is Role.ROW
 
 
+class Scaled(nn.Module):
+    """xIELU's pattern: a learnable [1] scalar multiplies the split MLP features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.Embedding(VOCAB, HIDDEN)
+        self.up = nn.Linear(HIDDEN, 128, bias=False)
+        self.alpha = nn.Parameter(torch.ones(1))
+        self.down = nn.Linear(128, HIDDEN, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(self.e(input_ids)) * self.alpha)
+
+
+def test_backward_check_catches_a_partial_gradient_a_rule_forgot() -> None:
+    """A rule that carries the split features through ``mul`` but forgets the scalar it
+    meets (as the pointwise rule once skipped numel-1 operands) leaves ``alpha`` with a
+    partial gradient on each rank: the backward check refuses the plan, naming it, or
+    (non-strict) keeps the region replicated; the real rules sum it."""
+    from tpcompile.analysis.propagate import rule
+    from tpcompile.analysis.state import Feat
+
+    @rule(torch.ops.aten.mul)
+    def careless_mul(an, node):
+        v = an.val(node.args[0])
+        return an.feat(an.aligned_to(v.atoms, an.ndim(node))) if isinstance(v, Feat) else None
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(TPError, match=r"alpha meets split features in op mul.*partial gradient"):
+        tpcompile.plan_model(model, tp=2, rules=[careless_mul])
+    with pytest.warns(UserWarning, match="partial gradient"):
+        plan = tpcompile.plan_model(model, tp=2, rules=[careless_mul], strict=False)
+    assert plan.params["up.weight"].role is Role.REPLICATED
+    plan = tpcompile.plan_model(model, tp=2)
+    assert plan.params["up.weight"].role is Role.COLUMN
+    assert plan.params["alpha"].role is Role.GRAD_ALLREDUCE
+
+
 def test_overrides_force_replicated_and_reject_contradictions() -> None:
     with torch.device("meta"):
         model = Blorp()

@@ -99,7 +99,7 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 
 
 # the classes that broke, at tp=4 where their sizes allow (heads, vocab and MLP divide)
-CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa")]
+CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None)]
 
 
 @pytest.mark.slow
@@ -142,7 +142,7 @@ def _fsdp(rank: int, world: int, names: list) -> dict:
 
 @pytest.mark.slow
 def test_state_space_and_mla_train_under_fsdp2_times_tp() -> None:
-    for per_model in run_distributed(_fsdp, 4, ["deepseek_v3", "mamba"], timeout=900):
+    for per_model in run_distributed(_fsdp, 4, ["deepseek_v3", "mamba", "mamba2"], timeout=900):
         for name, steps in per_model.items():
             for got, want in steps:
                 assert abs(got - want) <= 1e-4 * abs(want), (name, steps)
@@ -183,6 +183,29 @@ def test_plans_read_the_structure() -> None:
     assert phi.params["model.layers.0.self_attn.qkv_proj.weight"].role.value == "column"
     fix = phi.modules["model.layers.0.self_attn"].attr_fixups
     assert fix["num_key_value_heads"] == [2, 1] and "num_key_value_groups" not in fix
+
+
+def test_mamba2_mixer_splits_by_heads() -> None:
+    """Mamba-2's heads are independent like attention heads: in_proj column in head
+    groups (gate, x, B/C groups, dt), conv1d / A / D / dt_bias / gated norm by head and
+    group, out_proj row; the sizes the mixer computes from its attributes are fixed up
+    (chunk_size, equal to num_heads here, is left alone). With fewer groups than ranks a
+    group's norm spans ranks: the mixer stays replicated (exact)."""
+    plan = tpcompile.plan_model(build("mamba2", meta=True), tp=4)
+    mixer = "backbone.layers.0.mixer."
+    roles = {k[len(mixer):]: v.role.value for k, v in plan.params.items() if k.startswith(mixer)}
+    assert roles == {"in_proj.weight": "column", "out_proj.weight": "row", "conv1d.weight": "sharded",
+                     "conv1d.bias": "sharded", "A_log": "sharded", "D": "sharded", "dt_bias": "sharded",
+                     "norm.weight": "sharded"}
+    assert plan.params[mixer + "in_proj.weight"].local_shape == [(2 * 128 + 2 * 4 * 16 + 8) // 4, 64]
+    fix = plan.modules[mixer[:-1]].attr_fixups
+    assert fix["num_heads"] == [8, 2] and fix["n_groups"] == [4, 1] and "chunk_size" not in fix
+    one_group = build("mamba2", meta=True)
+    one_group.config.n_groups = 1
+    with torch.device("meta"):
+        one_group = type(one_group)(one_group.config)
+    plan = tpcompile.plan_model(one_group, tp=2)
+    assert plan.params[mixer + "in_proj.weight"].role.value == "replicated"
 
 
 class _Baked(torch.nn.Module):

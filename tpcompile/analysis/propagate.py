@@ -180,6 +180,16 @@ def _writes_through_view(node: fx.Node) -> bool:
                 and getattr(dst.target, "overloadpacket", None) in _VIEW_OPS)
 
 
+def _differentiable(meta: Any) -> bool:
+    """Whether a value can carry a gradient: a floating tensor (or a tuple holding one);
+    masks, indices and counts cannot."""
+    if isinstance(meta, torch.Tensor):
+        return meta.is_floating_point() or meta.is_complex()
+    if isinstance(meta, tuple | list):
+        return any(_differentiable(m) for m in meta)
+    return False
+
+
 def _op_name(target: Any) -> str:
     return str(getattr(target, "__name__", target))
 
@@ -202,6 +212,8 @@ class Analysis:
         self.forced_replicated = forced_replicated or set()
         self.value: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
+        # values that carry no gradient whatever their inputs (a fresh fill, ``zeros_like``)
+        self.fresh: set[fx.Node] = set()
         self._edges_a: list[np.ndarray] = []
         self._edges_b: list[np.ndarray] = []
         self.columns: list[ColumnUse] = []
@@ -226,7 +238,9 @@ class Analysis:
                 self.value[node] = self._placeholder(node)
             elif node.op == "call_function":
                 self.value[node] = self._call(node)
-                if any(isinstance(a, fx.Node) and a in self.tainted for a in node.all_input_nodes):
+                if node not in self.fresh and _differentiable(self.meta(node)) and any(
+                    isinstance(a, fx.Node) and a in self.tainted for a in node.all_input_nodes
+                ):
                     self.tainted.add(node)
                 elif self.value[node] is None and node not in self.uniform:
                     self._track_uniform(node)

@@ -16,6 +16,7 @@ import numpy as np
 import torch.fx as fx
 
 from ..errors import TPError
+from .gradients import rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
 from .state import Feat, ParamRef
@@ -61,28 +62,15 @@ def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
     return keys
 
 
-def _rank_of(part: Partition, atoms: np.ndarray) -> np.ndarray:
-    r = part.rank_of_atom[np.clip(atoms, 0, None)]
-    return np.where(atoms < 0, -1, r)
-
-
-def _varies(ranks: np.ndarray, d: int) -> bool:
-    if ranks.shape[d] <= 1:
-        return False
-    ref = np.take(ranks, [0], axis=d)
-    both = (ranks >= 0) & (ref >= 0)
-    return bool((both & (ranks != ref)).any())
-
-
 def _aligned_checks(a: Analyzed) -> set:
     """Resolve elementwise meetings of unsharded values with sharded features."""
     force: set = set()
     an, part = a.an, a.part
     for ev in an.aligned:
-        ranks = _rank_of(part, ev.atoms)
+        ranks = rank_of(part, ev.atoms)
         nd = ranks.ndim
         shape = (1,) * (nd - len(ev.shape)) + tuple(ev.shape)
-        split_dims = [d for d in range(nd) if _varies(ranks, d)]
+        split_dims = [d for d in range(nd) if varies(ranks, d)]
         multi = bool((ranks == -2).any())  # features of a KV head several ranks hold
         if not split_dims and not multi:
             continue
@@ -123,6 +111,22 @@ def _aligned_checks(a: Analyzed) -> set:
                 "kept the region replicated"
             )
             force |= region
+    return force
+
+
+def _gradient_checks(a: Analyzed, strict: bool) -> set:
+    """The backward check (:mod:`.gradients`): a partial gradient nothing sums is an
+    error (strict) or keeps its region replicated."""
+    force: set = set()
+    for u in unsummed_gradients(a.an, a.part, a.layouts, a.grad_allreduce):
+        if strict:
+            raise TPError(
+                f"tpcompile cannot split this model exactly: {u}. Force the region replicated "
+                "with overrides={'<param fqn>': 'replicated'}, or pass strict=False to do that "
+                "with a warning."
+            )
+        a.notes.append(f"{u}; kept the region replicated")
+        force |= _region_blocks(a.part, a.an, u.atoms.reshape(-1))
     return force
 
 
@@ -271,6 +275,8 @@ def analyze(
             if key[0] not in forced and key not in forced:
                 a.layouts[key[0]] = lay
         new = (_aligned_checks(a) | _reduce_checks(an, part)) - forced
+        if not new:
+            new = _gradient_checks(a, strict) - forced
         if not new:
             _assign(a, outputs)
             return a
