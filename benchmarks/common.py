@@ -33,26 +33,29 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = {s.data_ptr() for p in model.parameters() for s in _storages(_local(p))}
         self.storages: dict[int, int] = {}
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._count(_local(t))
+        for s in _storages(_local(t)):
+            if s.data_ptr() not in self.params:
+                self.storages[s.data_ptr()] = s.nbytes()
         return t
-
-    def _count(self, t: torch.Tensor) -> None:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            for name in t.__tensor_flatten__()[0]:  # a wrapper subclass: the tensors it holds
-                self._count(getattr(t, name))
-            return
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.params:
-            self.storages[ptr] = t.untyped_storage().nbytes()
 
     @property
     def total(self) -> int:
         return sum(self.storages.values())
+
+
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind ``t``: its own, or those of the tensors a wrapper subclass holds
+    (FP8 tensors, weights FSDP2 gathers in FP8)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _storages(getattr(t, name))
+        return
+    yield t.untyped_storage()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ One Llama (hidden 256, 4 layers), three runs of ``parallelize(model, tp=2)``: fp
 
 * **Weight all-gather bytes per step** — FSDP2's all-gathers of one training step
   (``all_gather_single`` / ``all_gather_into_tensor``), counted by wrapping
-  ``torch.distributed``.  FP8 weights are gathered in
-  their own precision (torchao's FP8 all-gather is not wired in), so FP8 moves what fp32
-  does: the row says so rather than claim the halving.
+  ``torch.distributed``.  FP8 projections' weights are gathered in FP8 (1 byte per
+  element, ``parallelize(fp8=True)``'s default); the rest of the model (embeddings,
+  norms, LM head) in fp32.
 * **Saved activations** — bytes autograd holds at the end of one forward (an outermost
   ``saved_tensors_hooks``, each storage once): FP8 saves its casts of inputs.
 * **Step time** — median; CPU FP8 matmuls are emulated by ``torch._scaled_mm`` on CPU and
@@ -145,7 +145,7 @@ def run(quick: bool) -> dict[str, Any]:
     notes.append(f"loss over {spec.steps} steps: {start:.4f} -> fp32 {final['fp32']:.4f}, bf16 {final['bf16']:.4f}, "
                  f"fp8 {final['fp8']:.4f} (mean of the last 5); fp8 vs bf16 {100 * gap:.2f}% "
                  f"({'within' if gap <= 0.01 else 'NOT within'} 1%)")
-    notes.append("FP8 weights are all-gathered in their stored precision (fp32): torchao's FP8 all-gather is "
-                 "not wired in, so the gathered bytes equal fp32's")
+    notes.append("FP8 projections' weights are all-gathered in FP8 (1 byte per element); embeddings, norms and "
+                 "the LM head in fp32, as fp32's run gathers them")
     return section_result("FP8 vs bf16 vs fp32 at dp2 x tp2", rows, ratio_of="fp32", notes=notes,
                           config=asdict(spec))

@@ -11,6 +11,7 @@ Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps
     5. ep           keep this rank's experts, all-to-all dispatch around their forward
     6. activations  checkpoint / offload per block (inside FSDP, outside TP)
     7. fsdp         FSDP2 units: each block, then the root
+       fp8 gather   FP8 weights' scales at each forward, before FSDP2's FP8 all-gathers
     8. materialise  a meta model's shards: init / rank 0's weights / an HF checkpoint
     9. mark         the attributes the HF Trainer and accelerate read; the tree guard
 
@@ -116,7 +117,18 @@ def apply_fp8(job: Job) -> None:
         return
     from .runtime.fp8 import convert_fp8  # imports torchao: only when FP8 is asked for
 
-    job.model.tpcompile_fp8 = convert_fp8(job.model, job.plan, job.tp_mesh, job.fp8, job.fp8_filter)
+    job.model.tpcompile_fp8 = convert_fp8(job.model, job.plan, job.tp_mesh, job.fp8, job.fp8_filter,
+                                          fsdp=job.cfg is not None)
+
+
+def apply_fp8_gather(job: Job) -> None:
+    """7b. FSDP2 all-gathers FP8 weights: their scales are computed at the start of every
+    forward of the root, before FSDP2's first all-gather (runtime/fp8_gather.py)."""
+    if job.fp8 is None or job.fp8 is False or job.cfg is None:
+        return
+    from .runtime.fp8_gather import install_gather_scales
+
+    install_gather_scales(job.model)
 
 
 def apply_cp(job: Job) -> None:
@@ -125,10 +137,6 @@ def apply_cp(job: Job) -> None:
     cfg = job.cfg
     if cfg is None or cfg.cp <= 1:
         return
-    if job.plan.sequence:
-        raise TPError("cp > 1 with sequence_parallel=True is not supported yet: use one of them")
-    if cfg.ep > 1:
-        raise TPError("cp > 1 with ep > 1 is not supported yet: use one of them")
     mesh4 = _dims(cfg).context_mesh(job.mesh)
     install_context_parallel(job.model, mesh4["cp"])
 
@@ -165,7 +173,10 @@ def apply_fsdp(job: Job) -> None:
     """7. FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest."""
     if job.cfg is None:
         return
-    fully_shard_model(job.model, list(job.plan.blocks), job.cfg, job.mesh, job.device, job.experts,
+    # FSDP2 shards over dp_shard x cp: to it (and the experts' gradient divide factor)
+    # the CP ranks are data-parallel shards
+    cfg = replace(job.cfg, dp_shard=job.cfg.dp_shard * job.cfg.cp, cp=1) if False else job.cfg
+    fully_shard_model(job.model, list(job.plan.blocks), cfg, job.mesh, job.device, job.experts,
                       getattr(job.model, "tpcompile_expert_mesh", None))
 
 
@@ -278,7 +289,8 @@ def _bind_merge(job: Job) -> None:
 
 # The fixed order.
 TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp, apply_fp8)
-STEPS = (*TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_fsdp, materialise, mark)
+STEPS = (*TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_fsdp, apply_fp8_gather,
+         materialise, mark)
 
 
 def tensor_parallel(job: Job) -> nn.Module:

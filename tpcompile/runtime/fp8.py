@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import TPError
 from ..plan.types import Plan, Role
 
-__all__ = ["Fp8Spec", "TPFloat8Linear", "convert_fp8", "fp8_config", "fp8_modules"]
+__all__ = ["Fp8Spec", "TPFloat8Linear", "convert_fp8", "fp8_config", "fp8_modules", "gathers_fp8"]
 
 _MULTIPLE = 16  # torch._scaled_mm needs both matmul dims to be multiples of 16
 
@@ -59,7 +59,8 @@ def fp8_config(fp8: Any) -> Any:
     if isinstance(fp8, float8.Float8LinearConfig):
         return fp8
     if fp8 is True or fp8 == "tensorwise":
-        return float8.Float8LinearConfig()
+        # under parallelize FSDP2 then gathers these weights in FP8 (runtime/fp8_gather.py)
+        return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     if fp8 == "rowwise":
         return float8.Float8LinearConfig.from_recipe_name("rowwise")
     raise TPError(f"fp8 must be True, 'tensorwise', 'rowwise' or a torchao.float8.Float8LinearConfig, got {fp8!r}")
@@ -104,9 +105,21 @@ def fp8_modules(model: nn.Module, plan: Plan,
     return out
 
 
+def gathers_fp8(plan: Plan, name: str) -> bool:
+    """Whether FSDP2 can all-gather ``name``'s weight in FP8 (when the config's
+    ``enable_fsdp_float8_all_gather`` is set; ``fp8=True`` sets it).  Not weights whose
+    rows several TP ranks hold (replicated KV heads): their local tensor is summed over
+    the copies in backward, which needs it in high precision."""
+    pp = plan.params.get(f"{name}.weight")
+    return pp is None or pp.layout != "kv_replicated"
+
+
 def convert_fp8(model: nn.Module, plan: Plan, mesh: Any, fp8: Any,
-                fp8_filter: Callable[[nn.Module, str], bool] | None = None) -> list[str]:
-    """Turn the chosen projections into :class:`TPFloat8Linear` in place; their names."""
+                fp8_filter: Callable[[nn.Module, str], bool] | None = None, *, fsdp: bool = False) -> list[str]:
+    """Turn the chosen projections into :class:`TPFloat8Linear` in place; their names.
+
+    ``fsdp``: FSDP2 will shard the model (``parallelize``); weights the config gathers in
+    FP8 are wrapped for it (:mod:`tpcompile.runtime.fp8_gather`)."""
     config = fp8_config(fp8)
     specs = fp8_modules(model, plan, fp8_filter)
     tp = 1 if mesh is None else mesh.size()
@@ -118,6 +131,10 @@ def convert_fp8(model: nn.Module, plan: Plan, mesh: Any, fp8: Any,
     mods = dict(model.named_modules())
     for name, spec in specs.items():
         _make_float8(mods[name], config, spec, mesh if tp > 1 else None)
+        if fsdp and config.enable_fsdp_float8_all_gather and gathers_fp8(plan, name):
+            from .fp8_gather import wrap_for_fp8_gather
+
+            wrap_for_fp8_gather(mods[name])
     return list(specs)
 
 
@@ -185,13 +202,16 @@ class TPFloat8Linear(_Float8Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-        from torchao.float8.float8_training_tensor import GemmInputRole
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
         c, spec = self.config, self.fp8_spec
         if self.fp8_mesh is None:
             return super().forward(input)  # nothing split: torchao's own casts
         x = _cast(input, self, c.cast_config_input, GemmInputRole.INPUT, spec.input_split, -1)
-        w = _cast(self.weight.t(), self, c.cast_config_weight, GemmInputRole.WEIGHT, spec.weight_split, 0)
+        if isinstance(self.weight, Float8TrainingTensor):  # FSDP2 gathered it in FP8, whole-weight scale
+            w = self.weight.t()
+        else:
+            w = _cast(self.weight.t(), self, c.cast_config_weight, GemmInputRole.WEIGHT, spec.weight_split, 0)
         out = matmul_with_hp_or_float8_args.apply(x, w, self.linear_mm_config, c)
         out = _GradToFloat8.apply(out, self)
         if self.bias is not None:

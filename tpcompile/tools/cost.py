@@ -48,7 +48,7 @@ from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
-from .cost_params import Issue, fp8_issues, fsdp_issues, local_shape, memory
+from .cost_params import Issue, fp8_gathered, fp8_issues, fsdp_issues, local_shape, memory
 
 __all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
 
@@ -449,6 +449,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     fixed, parameter-sized part) and activations are left out. ``dp_shard > 1`` adds
     FSDP2 (``FULL_SHARD``) on top of ``tp``, as ``tpcompile.parallelize`` builds it.
     ``fp8=True`` adds the amax all-reduces of FP8 projections (``fp8=True`` in transform);
+    with ``dp_shard > 1`` their weights are all-gathered in FP8 (``parallelize``'s default);
     ``cp > 1`` context parallelism's key / value all-gathers (``batch × seq`` are then
     the whole sequences a CP group shares).
 
@@ -465,10 +466,12 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
             raise TPError(f"{key} must be a positive integer, got {value!r}")
     cap = capture(model)
     issues, shared = trace_collectives(model, plan, cap)
+    # under FSDP2 (parallelize) fp8=True gathers the FP8 projections' weights in FP8
+    gathered = fp8_gathered(model, plan) if fp8 and dp_shard > 1 else frozenset()
     if dp_shard > 1:
-        issues += fsdp_issues(model, plan, dp_shard)
-    if fp8 and plan.tp > 1:
-        issues += fp8_issues(model, plan)
+        issues += fsdp_issues(model, plan, dp_shard, gathered)
+    if fp8 and (plan.tp > 1 or gathered):
+        issues += fp8_issues(model, plan, gathered)
     if cp > 1:
         issues += _cp_issues(model, plan, cp)
     tokens = None if batch is None else batch * seq

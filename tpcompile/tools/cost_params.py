@@ -11,7 +11,7 @@ from torch import nn
 
 from ..plan.types import Plan
 
-__all__ = ["Issue", "fp8_issues", "fsdp_issues", "local_shape", "memory"]
+__all__ = ["Issue", "fp8_gathered", "fp8_issues", "fsdp_issues", "local_shape", "memory"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,12 +61,15 @@ def _shard_numel(shape: list[int], dp: int) -> int:
     return rows
 
 
-def fsdp_issues(model: nn.Module, plan: Plan, dp_shard: int) -> list[Issue]:
+def fsdp_issues(model: nn.Module, plan: Plan, dp_shard: int, fp8: frozenset[str] = frozenset()) -> list[Issue]:
+    """FSDP2's collectives per unit; the weights named in ``fp8`` are gathered in FP8 (one
+    byte per element, runtime/fp8_gather.py), their gradients reduced in their dtype."""
     issues = []
     for unit, params in _units(model, plan).items():
         if not params:
             continue
-        shard = sum(_shard_numel(local_shape(plan, n, p), dp_shard) * p.dtype.itemsize for n, p in params)
+        shard = sum(_shard_numel(local_shape(plan, n, p), dp_shard) * (1 if n in fp8 else p.dtype.itemsize)
+                    for n, p in params)
         grads = sum(_shard_numel(local_shape(plan, n, p), dp_shard) * p.dtype.itemsize
                     for n, p in params if p.requires_grad)
         src = f"fsdp:{unit or '<root>'}"
@@ -93,21 +96,33 @@ def memory(model: nn.Module, plan: Plan, dp_shard: int) -> dict[str, int]:
 # ------------------------------------------------------------------ activations
 
 
-def fp8_issues(model: nn.Module, plan: Plan) -> list[Issue]:
+def fp8_gathered(model: nn.Module, plan: Plan) -> frozenset[str]:
+    """The weights ``parallelize(fp8=True)`` has FSDP2 all-gather in FP8."""
+    from ..runtime.fp8 import fp8_modules, gathers_fp8
+
+    return frozenset(f"{name}.weight" for name in fp8_modules(model, plan) if gathers_fp8(plan, name))
+
+
+def fp8_issues(model: nn.Module, plan: Plan, gathered: frozenset[str] = frozenset()) -> list[Issue]:
     """FP8's amax all-reduces (runtime/fp8.py): one MAX of a scalar per split operand of
     every FP8 projection — the input and the weight in forward, the output gradient in
-    backward."""
+    backward.  A weight FSDP2 gathers in FP8 (``gathered``) is cast before its all-gather
+    instead, with the scale of one MAX all-reduce over every rank per forward of the
+    model, a float32 per gathered weight (runtime/fp8_gather.py)."""
     from ..runtime.fp8 import fp8_modules
 
     issues: list[Issue] = []
     width = {name: p.element_size() for name, p in model.named_parameters()}
     for name, spec in fp8_modules(model, plan).items():
         size = width.get(f"{name}.weight", 4)  # an amax has the parameter's dtype
-        forward = int(spec.input_split) + int(spec.weight_split)
+        forward = int(spec.input_split) + int(spec.weight_split and f"{name}.weight" not in gathered)
         if forward:
             issues.append(Issue(source=name, phase="forward", op="all_reduce", group="tp", count=forward,
                                 fixed_bytes=size, what="fp8 amax (input / weight)"))
         if spec.grad_split:
             issues.append(Issue(source=name, phase="backward", op="all_reduce", group="tp", count=1,
                                 fixed_bytes=size, what="fp8 amax (output gradient)"))
+    if gathered:
+        issues.append(Issue(source="fp8:scales", phase="forward", op="all_reduce", group="world", count=1,
+                            fixed_bytes=4 * len(gathered), what="fp8 amaxes of the FP8-gathered weights"))
     return issues
