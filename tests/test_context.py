@@ -31,24 +31,31 @@ from tpcompile.tools.presets import tiny_config
 
 TOL = 1e-5
 DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout")
-CASES = {  # name: family, attention, length, padded, tp
-    "llama_sdpa": ("llama", "sdpa", 12, False, 1),
-    "llama_eager_odd": ("llama", "eager", 13, False, 1),
-    "llama_padded": ("llama", "sdpa", 11, True, 1),
-    "qwen3_padded_eager": ("qwen3", "eager", 12, True, 1),
-    "mistral_window": ("mistral", "sdpa", 16, False, 1),
-    "gpt2": ("gpt2", "sdpa", 10, False, 1),
+CASES = {  # name: family, attention, length, padded, tp, the attention core it runs, parallelize options
+    "llama_sdpa": ("llama", "sdpa", 12, False, 1, "blocks", {}),
+    "llama_eager_odd": ("llama", "eager", 13, False, 1, "blocks", {}),
+    "llama_padded": ("llama", "sdpa", 11, True, 1, "mask", {}),
+    "qwen3_padded_eager": ("qwen3", "eager", 12, True, 1, "mask", {}),
+    "mistral_window": ("mistral", "sdpa", 16, False, 1, "blocks", {}),
+    "gpt2": ("gpt2", "sdpa", 10, False, 1, "blocks", {}),
+    # softcapped scores (the eager core), a sliding window every other layer
+    "gemma2_softcap_window": ("gemma2", "eager", 16, False, 1, "mask", {}),
+    "mixtral_moe": ("mixtral", "sdpa", 12, False, 1, "blocks", {}),
 }
 CASES4 = {
-    "cp2_tp2": ("llama", "sdpa", 12, True, 2),
-    "dp2_cp2": ("qwen3", "eager", 11, False, 1),
+    "cp2_tp2": ("llama", "sdpa", 12, True, 2, "mask", {}),
+    "dp2_cp2": ("qwen3", "eager", 11, False, 1, "blocks", {}),
+    "cp2_tp2_sp": ("llama", "sdpa", 12, False, 2, "blocks", {"sequence_parallel": True}),
+    "cp2_tp2_sp_padded": ("qwen3", "eager", 11, True, 2, "mask", {"sequence_parallel": True}),
+    # ep=2 carved from dp_shard 2 x cp 2: each EP group is one CP group
+    "dp2_cp2_ep2": ("mixtral", "sdpa", 12, False, 1, "blocks", {"ep": 2}),
 }
 
 
 def _build(name: str, attn: str) -> torch.nn.Module:
     cfg = tiny_config(name)
     cfg._attn_implementation = attn
-    if name == "mistral":
+    if name in ("mistral", "gemma2"):
         cfg.sliding_window = 5  # shorter than the sequence: the window crosses chunks
     for key in DROPOUTS:
         if hasattr(cfg, key):
@@ -66,9 +73,10 @@ def _batch(length: int, padded: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _compare(rank: int, world: int, name: str, attn: str, length: int, padded: bool, tp: int) -> dict[str, Any]:
+def _compare(rank: int, world: int, name: str, attn: str, length: int, padded: bool, tp: int, core: str,
+             options: dict) -> dict[str, Any]:
     ref = _build(name, attn)
-    model = tpcompile.parallelize(copy.deepcopy(ref), tp=tp, cp=2)
+    model = tpcompile.parallelize(copy.deepcopy(ref), tp=tp, cp=2, **options)
     batch = _batch(length, padded)
     out, want = model(**batch), ref(**batch)
     out.loss.backward()
@@ -88,7 +96,8 @@ def _compare(rank: int, world: int, name: str, attn: str, length: int, padded: b
     return {"loss": (out.loss - want.loss).abs().item(), "logits": (logits[keep] - want.logits[keep]).abs().max().item(),
             "grads": grad, "step2": abs(losses[0] - losses[1]), "shape": list(logits.shape),
             "local": list(out.logits.shape), "dp": list(tpcompile.data_parallel_rank(model)),
-            "paths": sorted(model.tpcompile_context.paths)}
+            "paths": sorted(model.tpcompile_context.paths), "sp": bool(model.tpcompile_plan.sequence),
+            "dispatch": sum(type(m.__dict__.get("forward")).__name__ == "_Dispatch" for m in model.modules())}
 
 
 def _packed(rank: int, world: int) -> dict[str, float]:
@@ -121,6 +130,14 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
         tpcompile.parallelize(mamba, cp=2, seed=0)
     except TPError as err:
         result["mamba"] = str(err)
+    # a router's load-balancing loss averages over the whole sequence: refused
+    cfg = tiny_config("mixtral", output_router_logits=True)
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(cfg)
+    try:
+        tpcompile.parallelize(moe, cp=2, seed=0)
+    except TPError as err:
+        result["router"] = str(err)
     # a sharded checkpoint at cp=2 resumes at cp=1 (CP holds no parameter shards of its own)
     model = tpcompile.parallelize(_build("llama", "sdpa"), cp=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -222,11 +239,14 @@ def world4() -> CaseResults:
     return run_cases(4, {key: (_compare, *spec) for key, spec in CASES4.items()}, timeout=900)
 
 
-def _check(r: dict, length: int, padded: bool) -> None:
+def _check(r: dict, spec: tuple) -> None:
     assert r["loss"] < TOL and r["logits"] < TOL and r["grads"] < TOL and r["step2"] < 1e-4, r
-    assert r["shape"][1] == length and r["local"][1] < length, r  # split, and put back whole
-    # plain positions run as blocks (no [s_local, S] mask); a padding mask needs the mask
-    assert r["paths"] == (["mask"] if padded else ["blocks"]), r
+    assert r["shape"][1] == spec[2] and r["local"][1] < spec[2], r  # split, and put back whole
+    # plain causal positions run as blocks (no [s_local, S] mask); padding or softcapping
+    # need the mask
+    assert r["paths"] == [spec[5]], r
+    assert r["sp"] == spec[6].get("sequence_parallel", False), r
+    assert (r["dispatch"] > 0) == ("ep" in spec[6]), r  # the experts dispatch over ep ranks
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -266,7 +286,7 @@ def test_block_attention_equals_the_masked_softmax(cp: int, dtype: torch.dtype) 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_context_parallel_cp2_is_exact(world2: CaseResults, case: str) -> None:
     for r in world2[case]:
-        _check(r, CASES[case][2], CASES[case][3])
+        _check(r, CASES[case])
         assert r["dp"] == [0, 1], r  # both ranks of the CP group get the same batch
 
 
@@ -274,7 +294,7 @@ def test_context_parallel_cp2_is_exact(world2: CaseResults, case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES4))
 def test_context_parallel_composes_with_tp_and_fsdp(world4: CaseResults, case: str) -> None:
     for rank, r in enumerate(world4[case]):
-        _check(r, CASES4[case][2], CASES4[case][3])
+        _check(r, CASES4[case])
         if case == "dp2_cp2":  # ranks 0,1 one CP group, 2,3 the other: two data shards
             assert r["dp"] == [rank // 2, 2], r
 
@@ -286,6 +306,7 @@ def test_context_parallel_refuses_what_it_cannot_split(world2: CaseResults) -> N
         assert "mixer" in r["mamba"], r["mamba"]
         assert "KV cache" in r["generate"], r["generate"]
         assert "different batches" in r["batches"], r["batches"]
+        assert "output_router_logits" in r["router"], r
         assert r["resumed"] < TOL, r
 
 

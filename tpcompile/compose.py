@@ -175,7 +175,7 @@ def apply_fsdp(job: Job) -> None:
         return
     # FSDP2 shards over dp_shard x cp: to it (and the experts' gradient divide factor)
     # the CP ranks are data-parallel shards
-    cfg = replace(job.cfg, dp_shard=job.cfg.dp_shard * job.cfg.cp, cp=1) if False else job.cfg
+    cfg = replace(job.cfg, dp_shard=job.cfg.dp_shard * job.cfg.cp, cp=1) if job.cfg.cp > 1 else job.cfg
     fully_shard_model(job.model, list(job.plan.blocks), cfg, job.mesh, job.device, job.experts,
                       getattr(job.model, "tpcompile_expert_mesh", None))
 

@@ -101,6 +101,9 @@ class ContextParallel:
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise TPError("context parallelism splits whole sequences: a KV cache (generate's decode steps) is "
                           "not supported on a CP model; generate on the model saved and loaded without cp")
+        if kwargs.get("output_router_logits"):
+            raise TPError("context parallelism: output_router_logits=True asks for a load-balancing loss over the "
+                          "whole sequence, but each rank routes only its positions; call without it")
         self._same_batch(ids, kwargs.get("labels"))
         b, length = ids.shape
         padded = -(-length // (2 * self.size)) * (2 * self.size)
