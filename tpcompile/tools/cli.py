@@ -139,6 +139,9 @@ def _add_verify(sub: Any) -> None:
                      help="attention implementation (default: the model's own default)")
     ver.add_argument("--sequence-parallel", action="store_true",
                      help="transform with sequence_parallel=True (norms and residuals split by tokens)")
+    ver.add_argument("--cp", type=_positive_int, default=1,
+                     help="context parallelism: parallelize(tp=--tp, cp=CP) on tp x cp processes, each "
+                     "sequence split over cp ranks, modules compared on each rank's positions (default 1)")
     # Test hook (see the README): perturb one module's output on one rank after transform.
     ver.add_argument("--inject-fault", metavar="MODULE", help=argparse.SUPPRESS)
     ver.set_defaults(handler=_cmd_verify)
@@ -410,7 +413,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     report = verify(config, tp=args.tp, task=task, tol=args.tol, layers=args.layers,
                     generate=not args.no_generate, attn=args.attn, fault=args.inject_fault,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, cp=args.cp)
     _write(json.dumps(report.to_dict(), indent=2) if args.format == "json" else render_report(report))
     return _EXIT_OK if report.ok else _EXIT_MISMATCH
 

@@ -71,6 +71,7 @@ class VerifyReport:
     model_class: str
     tp: int
     tol: float
+    cp: int = 1  # context parallelism (verify --cp): tp x cp processes
     config: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     forward: dict[str, Check | None] = field(default_factory=dict)  # per module; None: not comparable
@@ -437,10 +438,10 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
     return result
 
 
-def _merge(results: list[dict], tp: int, tol: float) -> VerifyReport:
+def _merge(results: list[dict], tp: int, tol: float, cp: int = 1) -> VerifyReport:
     """Worst over ranks of every check."""
     first = results[0]
-    report = VerifyReport(model_class=first["model_class"], tp=tp, tol=tol, config=first["config"])
+    report = VerifyReport(model_class=first["model_class"], tp=tp, tol=tol, cp=cp, config=first["config"])
     errors = [r["error"] for r in results if r.get("error")]
     if errors:
         report.error = errors[0]
@@ -460,9 +461,10 @@ def _merge(results: list[dict], tp: int, tol: float) -> VerifyReport:
 
 def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: float = 1e-5,
            layers: int = 2, generate: bool = True, attn: str | None = None,
-           fault: str | None = None, sequence_parallel: bool = False) -> VerifyReport:
+           fault: str | None = None, sequence_parallel: bool = False, cp: int = 1) -> VerifyReport:
     """Check ``transform(tp=tp)`` of a shrunk copy of ``config``'s model on ``tp`` local
-    CPU processes against the unsharded copy.
+    CPU processes against the unsharded copy (with ``cp > 1``: ``parallelize(tp=tp,
+    cp=cp)`` on ``tp x cp`` processes, :mod:`tpcompile.tools.verify_context`).
 
     Args:
         config: the real model's config (its sizes are shrunk, its structure kept).
@@ -476,6 +478,8 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
             ``transform`` (the report must then name it).
         sequence_parallel: transform with ``sequence_parallel=True``; modules between
             regions are compared on this rank's tokens.
+        cp: context parallelism: each sequence split over ``cp`` ranks; modules are
+            compared on this rank's positions, outputs put back in order.
 
     Example:
         >>> report = verify(presets.build_config("llama"), tp=2)    # doctest: +SKIP
@@ -485,12 +489,17 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
     t0 = time.perf_counter()
     opts = {"layers": layers, "generate": generate, "attn": attn, "fault": fault,
             "sequence_parallel": sequence_parallel}
+    worker: Callable[..., dict] = _worker
+    if cp > 1:
+        from .verify_context import cp_worker
+
+        worker, opts = cp_worker, {**opts, "tp": tp, "cp": cp}
     try:
-        results = spawn_local(_worker, tp, config, task, opts)
+        results = spawn_local(worker, tp * cp, config, task, opts)
     except WorkerFailed as exc:
-        report = VerifyReport(model_class=type(config).__name__, tp=tp, tol=tol, error=str(exc))
+        report = VerifyReport(model_class=type(config).__name__, tp=tp, tol=tol, cp=cp, error=str(exc))
     else:
-        report = _merge(results, tp, tol)
+        report = _merge(results, tp, tol, cp)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -507,7 +516,8 @@ def _cell(c: Check | None, tol: float) -> str:
 def render_report(report: VerifyReport) -> str:
     """The report as text: one row per module (worst forward / gradient difference over
     ranks), then model outputs, generate and a summary line."""
-    head = f"verify {report.model_class} at tp={report.tp} (shrunk copy; tol {report.tol:g}, abs or rel)"
+    where = f"tp={report.tp}" + (f" x cp={report.cp}" if report.cp > 1 else "")
+    head = f"verify {report.model_class} at {where} (shrunk copy; tol {report.tol:g}, abs or rel)"
     if report.error:
         return f"{head}\n\nFAILED: {report.error}"
     tol = report.tol
