@@ -150,7 +150,9 @@ def activation_matmul(
     ya = an.aligned_to(yv.atoms, an.ndim(y)) if isinstance(yv, Feat) else None
     if ya is not None and transpose_y:
         ya = np.swapaxes(ya, -1, -2)
-    if (xa is None and ya is not None and ya.shape[-2] > 1) or (ya is None and xa is not None and xa.shape[-1] > 1):
+    contracted = (xa is None and ya is not None and ya.shape[-2] > 1) or (
+        ya is None and xa is not None and xa.shape[-1] > 1)
+    if contracted and not _fill(an, x if xa is None else y):
         an.poison_node(node, "sharded features contracted with a replicated activation", xv, yv)
         return None
     if xa is None or ya is None:  # the replicated side meets every rank's own features
@@ -176,6 +178,13 @@ def activation_matmul(
         a, b = np.broadcast_to(parts[0], shape), np.broadcast_to(parts[1], shape)
         out = np.where(a >= 0, a, b)
     return an.feat(out)
+
+
+def _fill(an: Analysis, node: torch.fx.Node) -> bool:
+    """A fresh fill (a scan's zero initial state): one value everywhere, so any rank's
+    slice of it is the same and it may meet the features it is contracted with."""
+    flags = an.uniform.get(node)
+    return flags is not None and all(flags) and node not in an.tainted
 
 
 @rule(aten.baddbmm)

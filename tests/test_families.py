@@ -208,6 +208,22 @@ def test_mamba2_mixer_splits_by_heads() -> None:
     assert plan.params[mixer + "in_proj.weight"].role.value == "replicated"
 
 
+@pytest.mark.slow  # the delta-net's sizes take ~15 traces to resolve
+def test_gated_delta_net_splits_by_heads() -> None:
+    """Qwen3-Next's gated delta-net: heads independent like attention heads, its chunked
+    causal masks (tril), the zero initial state contracted with the split keys and the
+    in-place row updates of the chunk matrix carry the heads through; the four sizes the
+    mixer reshapes with are fixed up together."""
+    plan = tpcompile.plan_model(build("qwen3_next", meta=True), tp=2)
+    mixer = "model.layers.0.linear_attn."
+    roles = {k[len(mixer):]: v.role.value for k, v in plan.params.items() if k.startswith(mixer)}
+    assert roles == {"in_proj_qkvz.weight": "column", "in_proj_ba.weight": "column",
+                     "conv1d.weight": "sharded", "A_log": "sharded", "dt_bias": "sharded",
+                     "norm.weight": "replicated_grad_allreduce", "out_proj.weight": "row"}
+    assert plan.modules[mixer[:-1]].attr_fixups == {
+        "num_v_heads": [4, 2], "num_k_heads": [2, 1], "key_dim": [32, 16], "value_dim": [64, 32]}
+
+
 class _Baked(torch.nn.Module):
     """Attention whose head count is a module-level constant: nothing can localize it."""
 

@@ -133,6 +133,25 @@ def slice_indices(bounds: Sequence[Any], size: int) -> list[int]:
     return list(range(*slice(start, end, step).indices(size)))
 
 
+def place_atoms_at(old: np.ndarray | None, src: np.ndarray | None, shape: Sequence[int],
+                   index: list[np.ndarray], an: Analysis | None = None) -> np.ndarray:
+    """Atoms of a tensor ``old`` of ``shape`` after ``src`` is written at the positions
+    ``index`` (one array of positions per dim; ``src`` aligned to all dims, size 1 where
+    it broadcasts).  A ``src`` broadcast along a dim where ``old`` gives distinct features
+    gets its own replica atoms per position, as in :func:`place_atoms`."""
+    nd = len(shape)
+    old = old if old is not None else np.full((1,) * nd, -1, dtype=np.int64)
+    src = src if src is not None else np.full((1,) * nd, -1, dtype=np.int64)
+    if an is not None and (src >= 0).any():
+        for d in range(nd):
+            if src.shape[d] == 1 and old.shape[d] > 1 and len(index[d]) > 1:
+                an.replicated_bases.append(src.reshape(-1).copy())
+                src = np.concatenate([an.atoms.replicas(src) for _ in range(len(index[d]))], axis=d)
+    full = np.array(np.broadcast_to(old, tuple(shape)))
+    full[np.ix_(*index)] = np.broadcast_to(src, [len(i) for i in index])
+    return full
+
+
 def place_atoms(old: np.ndarray | None, src: np.ndarray | None, nd: int, dim: int, size: int,
                 idx: list[int], an: Analysis | None = None) -> np.ndarray:
     """Atoms of a tensor ``old`` (``None``: no features) after ``src`` is written at
@@ -336,10 +355,11 @@ class Analysis:
         self.uniform[node] = (True,) * self.ndim(node)
 
     def write_through(self, node: fx.Node, dst: Any, src_value: Any) -> None:
-        """An in-place write of ``src_value`` into ``dst``, a ``slice`` chain of a base
-        tensor: later readers of the base see the written features at those positions."""
+        """An in-place write of ``src_value`` into ``dst``, a chain of ``slice`` /
+        ``select`` views of a base tensor (``attn[..., i, :i] = row``): later readers of
+        the base see the written features at those positions."""
         chain: list[fx.Node] = []
-        while isinstance(dst, fx.Node) and getattr(dst.target, "overloadpacket", None) is aten.slice:
+        while isinstance(dst, fx.Node) and getattr(dst.target, "overloadpacket", None) in (aten.slice, aten.select):
             chain.append(dst)
             dst = dst.args[0]
         if not chain or not isinstance(dst, fx.Node):
@@ -356,17 +376,28 @@ class Analysis:
             self.shares(node, node.args[1], self.aligned_to(cur.atoms, self.ndim(base)))
         if not isinstance(src_value, Feat) and not isinstance(cur, Feat):
             return  # nothing sharded before or after: the base stays replicated
-        if len(chain) != 1 or isinstance(cur, Partial | ParamRef):
+        if isinstance(cur, Partial | ParamRef):
             self.poison_node(node, "in-place write into a sharded tensor through a view", src_value, cur)
             return
-        sl = chain[0]
-        dim = (sl.args[1] if len(sl.args) > 1 else 0) % nd
-        size = self.shape(base)[dim]
-        idx = slice_indices(sl.args[2:5], size)
-        src = self.aligned_to(src_value.atoms, nd) if isinstance(src_value, Feat) else None
+        # the base positions the view holds: one index list per base dim
+        index = [np.arange(n) for n in self.shape(base)]
+        view_dims = list(range(nd))
+        for view in reversed(chain):
+            vnd = len(view_dims)
+            dim = (view.args[1] if len(view.args) > 1 else 0) % vnd
+            bd = view_dims[dim]
+            if getattr(view.target, "overloadpacket", None) is aten.select:
+                index[bd] = index[bd][[view.args[2] % len(index[bd])]]
+                del view_dims[dim]
+            else:
+                index[bd] = index[bd][slice_indices(view.args[2:5], len(index[bd]))]
+        src = None
+        if isinstance(src_value, Feat):
+            src = np.full((1,) * nd, -1, dtype=np.int64)
+            aligned = self.aligned_to(src_value.atoms, len(view_dims))
+            src = aligned.reshape([aligned.shape[view_dims.index(d)] if d in view_dims else 1 for d in range(nd)])
         old = self.aligned_to(cur.atoms, nd) if isinstance(cur, Feat) else None
-        full = place_atoms(old, src, nd, dim, size, idx, self)
-        self.value[base] = self.feat(full)
+        self.value[base] = self.feat(place_atoms_at(old, src, self.shape(base), index, self))
         self.uniform.pop(base, None)
 
     # ---- helpers for rules ---------------------------------------------------------

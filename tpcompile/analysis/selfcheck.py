@@ -235,27 +235,66 @@ def resolve_fixups(
     ambiguous: dict[str, dict[str, list[Any]]],
     check: Callable[[Fixups], list[Mismatch]],
     problems: list[Mismatch],
+    tp: int = 0,
+    *,
+    shaping: Callable[[dict[str, dict[str, list[Any]]]], dict[str, dict[str, list[Any]]]] | None = None,
 ) -> tuple[Fixups, list[Mismatch]]:
     """Pick a local value for each ambiguous attribute so the local trace matches.
 
     ``ambiguous[module][attr] = [global, [local candidates]]``.  The verified fix-ups go
-    first (``problems``: what their own check found); assignments are tried with the
-    fewest changed attributes first.
+    first (``problems``: what their own check found).  A module's attributes shape only
+    its own forward, so the module the trace fails in is resolved on its own, then the
+    next one (a sum of searches, not a product: Qwen3-Next's delta-net needs four sizes
+    at once); ``shaping`` first narrows that module's attributes to those its forward
+    turns into shapes.  Within a module, assignments are tried with the fewest changes first, those
+    that split sizes evenly over ``tp`` ranks (a head count halved at tp=2) before others.
     """
     if not problems or not ambiguous:
         return fixups, problems
+    trial = {m: dict(c) for m, c in fixups.items()}
+    done: set[str] = set()
+    while problems:
+        where = problems[0].module
+        left = [m for m in ambiguous if m not in done]
+        # the module it fails in (or its parents, or children); else any module left
+        mods = [m for m in left if where and (m == where or where.startswith(m + ".")
+                                              or m.startswith(where + "."))] or left
+        if not mods:
+            break
+        done.update(mods)
+        here = {m: ambiguous[m] for m in mods}
+        if shaping is not None:  # drop the attributes the forward never turns into a shape
+            here = {m: attrs for m, attrs in shaping(here).items() if attrs}
+        found = _search(trial, here, check, tp) if here else None
+        if found is None:
+            break
+        trial, problems = found
+        if problems and problems[0].module == where:
+            break
+    return (trial, problems) if not problems else (fixups, problems)
+
+
+def _search(base: Fixups, ambiguous: dict[str, dict[str, list[Any]]],
+            check: Callable[[Fixups], list[Mismatch]], tp: int) -> tuple[Fixups, list[Mismatch]] | None:
+    """The first assignment of ``ambiguous`` (on top of ``base``) whose trace no longer
+    fails where it did, with what the trace then reports; ``None`` if none does."""
     slots = [(m, attr, glob, [glob, *locs]) for m, attrs in ambiguous.items()
              for attr, (glob, locs) in attrs.items()]
-    options = sorted(itertools.product(*(s[3] for s in slots)),
-                     key=lambda combo: sum(v != s[2] for v, s in zip(combo, slots, strict=True)))
-    for combo in options[1:_MAX_TRIALS + 1]:  # the first is "change nothing": checked above
-        trial = {m: dict(c) for m, c in fixups.items()}
+
+    def cost(combo: tuple) -> tuple[int, int]:
+        changed = [(v, s[2]) for v, s in zip(combo, slots, strict=True) if v != s[2]]
+        return sum(not (tp and v * tp == g) for v, g in changed), len(changed)
+
+    options = sorted(itertools.product(*(s[3] for s in slots)), key=cost)
+    for combo in options[1:_MAX_TRIALS + 1]:  # the first is "change nothing": checked already
+        trial = {m: dict(c) for m, c in base.items()}
         for (m, attr, glob, _), v in zip(slots, combo, strict=True):
             if v != glob:
                 trial.setdefault(m, {})[attr] = [glob, v]
-        if not check(trial):
-            return trial, []
-    return fixups, problems
+        got = check(trial)
+        if not got or got[0].module not in ambiguous:
+            return trial, got
+    return None
 
 
 class SelfCheckError(TPError):

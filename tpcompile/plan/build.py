@@ -184,12 +184,15 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
         return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
                            representative=cap.stacks.representative, gathered=gathered)
 
-    problems = check(fixups)
-    if problems and ambiguous:  # only then: keep the attributes the forward turns into a shape
-        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in ambiguous.items()}
+    def shaping(amb: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+        """Only the attributes the forward turns into a shape (each costs a trace, so this
+        runs for the modules the local trace fails in only)."""
+        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in amb.items()}
         kept = verify_fixups(model, probe, cap.graph, retrace)
-        ambiguous = {m: {k: ambiguous[m][k] for k in attrs} for m, attrs in kept.items()}
-    fixups, problems = resolve_fixups(fixups, ambiguous, check, problems)
+        return {m: {k: amb[m][k] for k in attrs} for m, attrs in kept.items()}
+
+    problems = check(fixups)
+    fixups, problems = resolve_fixups(fixups, ambiguous, check, problems, tp, shaping=shaping)
     raise_mismatches(problems, model, tp)
     return fixups
 
