@@ -39,7 +39,8 @@ from torch import nn
 from ..errors import TPError
 from ..plan.types import Plan, Role
 
-__all__ = ["Fp8Spec", "TPFloat8Linear", "convert_fp8", "fp8_config", "fp8_modules", "gathers_fp8"]
+__all__ = ["NO_REDUCTION", "Fp8Spec", "TPFloat8Linear", "convert_fp8", "convert_fp8_estimate", "fp8_config",
+           "fp8_modules", "gathers_fp8"]
 
 _MULTIPLE = 16  # torch._scaled_mm needs both matmul dims to be multiples of 16
 
@@ -136,6 +137,22 @@ def convert_fp8(model: nn.Module, plan: Plan, mesh: Any, fp8: Any,
 
             wrap_for_fp8_gather(mods[name])
     return list(specs)
+
+
+# ``fp8_mesh`` of a copy the cost model runs in one process at TP-local shapes: the casts
+# of the TP path (what they save for backward), with nothing split, so nothing reduced
+NO_REDUCTION = "no reduction"
+
+
+def convert_fp8_estimate(copy: nn.Module, model: nn.Module, plan: Plan) -> list[str]:
+    """For the cost model: ``copy`` (``model`` at this rank's local shapes, one process)
+    with the projections ``fp8=True`` chooses converted as under ``plan``'s TP."""
+    config = fp8_config(True)
+    mods = dict(copy.named_modules())
+    names = [n for n in fp8_modules(model, plan) if n in mods]
+    for name in names:
+        _make_float8(mods[name], config, Fp8Spec(False, False, False), NO_REDUCTION if plan.tp > 1 else None)
+    return names
 
 
 def _make_float8(mod: nn.Module, config: Any, spec: Fp8Spec, mesh: Any) -> None:

@@ -34,6 +34,7 @@ Names are the ``torch.distributed`` functions: ``all_gather_into_tensor`` /
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -275,7 +276,7 @@ def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
 
 
 def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
-                         cap: Capture | None = None) -> dict[str, Any]:
+                         cap: Capture | None = None, fp8: bool = False) -> dict[str, Any]:
     """Activation bytes one rank holds at the end of forward, for ``batch × seq`` tokens.
 
     How: a copy of the model with every parameter at this rank's local (TP) shape, as
@@ -286,7 +287,8 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
     (default mode) and the loss's saved buffer (the vocab-parallel CE's float32
     ``[tokens, local vocab]``, or a float32 log-softmax over the full vocabulary).
     Kernels are CPU's (SDPA's saved tensors differ by backend), and FSDP2's unsharded
-    parameters and temporaries are not included.
+    parameters and temporaries are not included. ``fp8``: the FP8 projections run as at
+    runtime (under TP they save their FP8 casts of input and weight, 1 byte per element).
 
     Returns ``{"bytes", "saved_for_backward", "logits", "loss", "method"}``, or
     ``{"bytes": None, "error"}`` when the model does not run on fake tensors.
@@ -313,6 +315,8 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
         for mname, mp in plan.modules.items():
             if mp.attr_fixups:
                 apply_fixups(shadow.get_submodule(mname), mp.attr_fixups)
+    if fp8:
+        _to_float8(model, plan, shadow)
     weight: dict[str, int] = {}
     for stack, reps in stacks.members.items():  # run one block per structure
         mlist = shadow.get_submodule(stack)
@@ -326,10 +330,17 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
     owned = {p.untyped_storage()._cdata for p in shadow.parameters()}
     saved: dict[int, tuple[str, int]] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def count(t: torch.Tensor) -> None:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # FP8: the tensors it holds
+            for name in t.__tensor_flatten__()[0]:
+                count(getattr(t, name))
+            return
         s = t.untyped_storage()
         if s._cdata not in owned and s._cdata not in saved:
             saved[s._cdata] = (current[0], s.nbytes())
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count(t)
         return t
 
     shadow.train()
@@ -357,6 +368,13 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
     return {"bytes": body + held + loss, "saved_for_backward": body, "logits": held, "loss": loss,
             "method": "saved-for-backward tensors of a fake-tensor forward at local shapes "
                       "(repeated blocks once) + gathered logits + loss buffer"}
+
+
+def _to_float8(model: nn.Module, plan: Plan, shadow: nn.Module) -> None:
+    """The shadow's FP8 projections as the runtime runs them (runtime/fp8.py)."""
+    from ..runtime.fp8 import convert_fp8_estimate
+
+    convert_fp8_estimate(shadow, model, plan)
 
 
 # ------------------------------------------------------------------ the report
@@ -479,7 +497,13 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     notes = []
     activations: dict[str, Any] | None = None
     if tokens is not None:
-        activations = estimate_activations(model, plan, batch=batch, seq=seq, cap=cap)
+        activations = estimate_activations(model, plan, batch=batch, seq=seq, cap=cap, fp8=fp8)
+        if gathered and activations["bytes"] is not None:
+            # a weight gathered in FP8 is saved as FSDP2's unsharded parameter (left out
+            # here, as every unsharded parameter is), not as a cast of its own
+            casts = sum(math.prod(local_shape(plan, n, p)) + 4 for n, p in model.named_parameters() if n in gathered)
+            activations["bytes"] -= casts
+            activations["saved_for_backward"] -= casts
         mem["activations"] = activations["bytes"]
         if activations["bytes"] is None:
             notes.append(f"activation estimate unavailable: {activations['error']}")
