@@ -214,8 +214,10 @@ def parallelize(
             ``tpcompile.checkpoint.load(path, model, optimizer)``.
         plan: apply this :class:`Plan` instead of planning (as in :func:`transform`);
             made by ``plan_model`` at the same ``tp`` and ``ep``.
-        fp8, fp8_filter: FP8 matmuls through torchao, as in :func:`transform`; FSDP2
-            gathers the weights in their own precision.
+        fp8, fp8_filter: FP8 matmuls through torchao, as in :func:`transform`. With
+            ``fp8=True`` FSDP2 all-gathers the FP8 projections' weights in FP8, scaled by
+            the whole weight's amax (computed at each forward; a ``Float8LinearConfig``
+            keeps its own ``enable_fsdp_float8_all_gather``).
 
     Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh) and
     ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`);
