@@ -86,6 +86,17 @@ def _fsdp(rank: int, world: int, fp8: Any = True, checkpointing: bool = False) -
     return {**_compare(model, "llama", "sdpa"), "gathered": gathered}
 
 
+def _fsdp_uneven(rank: int, world: int) -> dict:
+    """dp_shard 3 at tp=1 (every projection but the LM head chosen): 64 rows do not split
+    in 3, so the FP8 shards FSDP2 gathers are zero-padded as its own are."""
+    from tpcompile.runtime.fp8_gather import Float8GatherWeight
+
+    model = tpcompile.parallelize(_build("llama", "sdpa"), tp=1, fp8=True,
+                                  fp8_filter=lambda m, fqn: "lm_head" not in fqn)
+    gathered = sum(isinstance(getattr(p, "_local_tensor", None), Float8GatherWeight) for p in model.parameters())
+    return {**_compare(model, "llama", "sdpa"), "gathered": gathered}
+
+
 def _fsdp_hp_gather(rank: int, world: int) -> dict:
     """torchao's own default (no FP8 all-gather): the weights are cast after FSDP2's gather."""
     from torchao.float8 import Float8LinearConfig
@@ -117,6 +128,25 @@ def _stale(rank: int, world: int) -> dict:
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+def _meta(rank: int, world: int) -> dict:
+    """Delayed init: a meta model parallelized with FP8 gathers materialises its shards
+    (inside the FP8-gathered weights) and trains as torchao FP8 from the same weights."""
+    from torchao.float8 import convert_to_float8_training
+
+    from tpcompile.runtime.fp8_gather import Float8GatherWeight
+
+    with torch.device("meta"):
+        meta = _build("llama", "sdpa")
+    model = tpcompile.parallelize(meta, tp=2, fp8=True, seed=0)
+    gathered = sum(isinstance(getattr(p, "_local_tensor", None), Float8GatherWeight) for p in model.parameters())
+    ref = _build("llama", "sdpa")
+    ref.load_state_dict(_full(model))
+    convert_to_float8_training(ref, module_filter_fn=lambda m, fqn: fqn in set(model.tpcompile_fp8))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    return {"fp8": _losses(model, ids), "ref": _losses(ref, ids), "gathered": gathered,
+            "chosen": len(model.tpcompile_fp8)}
 
 
 def _resume(rank: int, world: int, out: str) -> dict:
@@ -307,7 +337,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases = {"fsdp": (_fsdp,), "fsdp_hp_gather": (_fsdp_hp_gather,), "fsdp_checkpointing": (_fsdp, True, True),
-             "stale": (_stale,),
+             "stale": (_stale,), "meta": (_meta,),
              "gather_counted": (_gather_counted,), "resume": (_resume, str(tmp_path_factory.mktemp("fp8_4")))}
     return run_cases(4, cases, timeout=1500)
 
@@ -333,6 +363,27 @@ def test_fp8_under_fsdp2_and_tp_equals_single_process_torchao(world4: CaseResult
         _check(r)
         # fp8=True gathers every chosen projection's weight in FP8; torchao's default config does not
         assert r["gathered"] == (0 if case == "fsdp_hp_gather" else len(r["chosen"])), r
+
+
+@pytest.fixture(scope="module")
+def world3() -> CaseResults:
+    return run_cases(3, {"uneven": (_fsdp_uneven,)}, timeout=900)
+
+
+@pytest.mark.slow
+def test_fp8_gathers_of_unevenly_sharded_weights_equal_single_process_torchao(world3: CaseResults) -> None:
+    for r in world3["uneven"]:
+        for got, want in zip(r["fp8"], r["ref"], strict=True):
+            assert abs(got - want) <= REL * abs(want), r
+        assert r["gathered"] == len(r["chosen"]) > 0, r
+
+
+@pytest.mark.slow
+def test_fp8_gathers_with_delayed_init_equal_single_process_torchao(world4: CaseResults) -> None:
+    for r in world4["meta"]:
+        for got, want in zip(r["fp8"], r["ref"], strict=True):
+            assert abs(got - want) <= REL * abs(want), r
+        assert r["gathered"] == r["chosen"] > 0, r
 
 
 @pytest.mark.slow
