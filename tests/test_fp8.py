@@ -5,9 +5,11 @@ AdamW steps with the losses of single-process torchao FP8 on the same linears
 (rel 1e-4), and differs from the high-precision run, so FP8 is really on: llama (eager
 and sdpa), qwen3 with sequence parallelism, mixtral's dense parts.  The default choice
 of linears comes from the plan (split projections only: no LM head, no router).  Under
-FSDP2 the weights are all-gathered in FP8 with the whole weight's scale (exact, bytes
-and collectives as priced; a block run alone after a step rescales).  State dicts stay
-in high precision; an HF save loads in plain transformers equal.
+FSDP2 the weights are all-gathered in FP8 with the whole weight's scale (exact with
+activation checkpointing, delayed init and uneven shards too; bytes and collectives as
+priced; a block run alone after a step rescales).  State dicts, HF saves and sharded
+checkpoints stay in high precision (a checkpoint resumes with FP8 off); what autograd
+saves equals the activation estimate; ``torch.compile`` (aot_eager) equals eager.
 """
 
 from __future__ import annotations
