@@ -136,8 +136,9 @@ class ContextParallel:
         packed = mask is None and not (self.use_cache if use_cache is None else use_cache)
         doc = torch.diff(pos, prepend=pos[:, :1] - 1, dim=1).ne(1).cumsum(1) if packed else torch.zeros_like(pos)
         self.q_doc, self.k_doc = doc[:, mine], doc[:, order]
-        self.plain = (not packed and bool(valid[:, :length].all())
-                      and torch.equal(pos, torch.arange(padded, device=pos.device).expand_as(pos)))
+        # positions 0, 1, ... never restart: one document, packed or not
+        self.plain = bool(valid[:, :length].all()) and torch.equal(
+            pos, torch.arange(padded, device=pos.device).expand_as(pos))
         kwargs["input_ids"] = ids[:, mine]
         kwargs["position_ids"] = self.q_pos
         if shift is not None:
@@ -161,6 +162,11 @@ class ContextParallel:
             raise TPError("the ranks of a context-parallel group received different batches: every rank of a CP "
                           "group must be handed the same whole sequences (the model splits them itself); load "
                           "the slice tpcompile.data_parallel_rank(model) names")
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, h_kv, s_local, d]`` keys or values of every rank of the group, ``[b, h_kv,
+        S, d]`` in gathered order (all-gather forward, reduce-scatter of the gradient)."""
+        return comm.enter_tp(t, self.group, 2)
 
     def allowed(self, causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``[b, 1, s_local, S]``: which gathered keys each local query attends to, and
@@ -199,7 +205,7 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     cp = _ACTIVE[0]
     if cp is None:
         raise TPError("a context-parallel attention ran outside its model's forward")
-    key, value = comm.enter_tp(key, cp.group, 2), comm.enter_tp(value, cp.group, 2)
+    key, value = cp.gather(key), cp.gather(value)
     causal = bool(getattr(module, "is_causal", True))
     p = dropout if module.training else 0.0
     if cp.plain and causal and softcap is None and s_aux is None and p == 0.0 and query.device.type == "cpu":
@@ -239,11 +245,7 @@ def gather_sequence(model: nn.Module, t: torch.Tensor, dim: int = 1) -> torch.Te
 
 def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
     """Split every forward of ``model`` over ``cp_mesh`` (a 1-D mesh), in place."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_KEY, cp_attention)
-    AttentionMaskInterface.register(ATTENTION_KEY, _no_mask)
+    register_attention(ATTENTION_KEY, cp_attention)
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     for config in attention_configs(model):
         config._attn_implementation_internal = ATTENTION_KEY
@@ -263,6 +265,16 @@ def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
     cp.use_cache = bool(getattr(getattr(model, "config", None), "use_cache", True))
     model.tpcompile_context = cp
     return cp
+
+
+def register_attention(key: str, fn: Any) -> None:
+    """``fn`` under ``key`` in transformers' attention interface, with no mask built for
+    it (the CP attention rebuilds its own from global positions)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(key, fn)
+    AttentionMaskInterface.register(key, _no_mask)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

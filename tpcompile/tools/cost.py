@@ -51,7 +51,7 @@ from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
 from .cost_params import Issue, fp8_gathered, fp8_issues, fsdp_issues, local_shape, memory
 
-__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
+__all__ = ["COLLECTIVES", "Issue", "context_summary", "estimate_activations", "estimate_cost", "trace_collectives"]
 
 # every collective name the cost section may report (torch.distributed functions)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -275,7 +275,7 @@ def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
 # ------------------------------------------------------------------ activations
 
 
-def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
+def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, cp: int = 1,
                          cap: Capture | None = None, fp8: bool = False) -> dict[str, Any]:
     """Activation bytes one rank holds at the end of forward, for ``batch × seq`` tokens.
 
@@ -290,7 +290,13 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
     parameters and temporaries are not included. ``fp8``: the FP8 projections run as at
     runtime (under TP they save their FP8 casts of input and weight, 1 byte per element).
 
-    Returns ``{"bytes", "saved_for_backward", "logits", "loss", "method"}``, or
+    ``cp > 1``: the forward runs on rank 0's slice of each sequence through context
+    parallelism's own split and attention (:func:`_context_forward`: keys and values
+    "gathered" as ``cp`` copies of the local ones), and ``attention`` is the part saved
+    inside that attention (the gathered keys and values, queries, outputs, log-sum-exp,
+    any mask).
+
+    Returns ``{"bytes", "saved_for_backward", "logits", "loss", "attention", "method"}``, or
     ``{"bytes": None, "error"}`` when the model does not run on fake tensors.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -329,6 +335,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
         block.register_forward_hook(lambda *_: current.__setitem__(0, ""))
     owned = {p.untyped_storage()._cdata for p in shadow.parameters()}
     saved: dict[int, tuple[str, int]] = {}
+    in_attention: set[int] = set()  # storages saved inside CP's attention
 
     def count(t: torch.Tensor) -> None:
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # FP8: the tensors it holds
@@ -338,6 +345,8 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
         s = t.untyped_storage()
         if s._cdata not in owned and s._cdata not in saved:
             saved[s._cdata] = (current[0], s.nbytes())
+            if _ATTENDING[0]:
+                in_attention.add(s._cdata)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         count(t)
@@ -345,17 +354,22 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
 
     shadow.train()
     try:
-        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ids = torch.zeros(batch, seq, dtype=torch.long)
-            try:
-                out = shadow(ids, use_cache=False)
-            except TypeError:
-                out = shadow(ids)
+        if cp > 1:
+            out, local = _context_forward(shadow, mode, pack, cp, batch, seq)
+        else:
+            local = seq
+            with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                ids = torch.zeros(batch, seq, dtype=torch.long)
+                try:
+                    out = shadow(ids, use_cache=False)
+                except TypeError:
+                    out = shadow(ids)
     except Exception as err:  # noqa: BLE001 - any model code may refuse fake tensors
         return {"bytes": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
     body = sum(n * weight.get(block, 1) for block, n in saved.values())
+    attention = sum(saved[c][1] * weight.get(saved[c][0], 1) for c in in_attention) if cp > 1 else None
     logits = getattr(out, "logits", None) if not isinstance(out, torch.Tensor) else out
-    tokens = batch * seq
+    tokens = batch * local  # this rank's positions (CP: two chunks of each padded sequence)
     head = _head_param(plan)
     vocab = logits.shape[-1] if logits is not None else 0
     full_vocab = head.global_shape[head.shard_dim] if head is not None and plan.tp > 1 else vocab
@@ -366,8 +380,57 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int,
     else:
         loss = tokens * full_vocab * 4  # cross_entropy's float32 log-softmax
     return {"bytes": body + held + loss, "saved_for_backward": body, "logits": held, "loss": loss,
+            "attention": attention,
             "method": "saved-for-backward tensors of a fake-tensor forward at local shapes "
                       "(repeated blocks once) + gathered logits + loss buffer"}
+
+
+_ATTENDING = [False]  # inside context parallelism's attention (the estimate's forward)
+_ESTIMATE_KEY = "tpcompile_cp_estimate"
+
+
+def _counted_attention(*args: Any, **kwargs: Any) -> Any:
+    """Context parallelism's attention, with what it saves marked as attention's."""
+    from ..runtime.context import cp_attention
+
+    _ATTENDING[0] = True
+    try:
+        return cp_attention(*args, **kwargs)
+    finally:
+        _ATTENDING[0] = False
+
+
+def _context_forward(shadow: nn.Module, mode: Any, pack: Any, cp: int, batch: int,
+                     seq: int) -> tuple[Any, int]:
+    """One training forward of ``shadow`` (fake tensors) as rank 0 of a CP group runs it:
+    the runtime's split of a ``batch × seq`` batch of plain positions and its attention,
+    the all-gathers replaced by ``cp`` copies of the local keys and values (the same
+    shapes, nothing else saved).  Returns the output and the local length."""
+    from ..plan.context import attention_configs
+    from ..runtime import context
+
+    class Repeated(context.ContextParallel):
+        def gather(self, t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t] * self.size, dim=2)
+
+    implementation = getattr(getattr(shadow, "config", None), "_attn_implementation", None) or "sdpa"
+    context.register_attention(_ESTIMATE_KEY, _counted_attention)
+    for config in attention_configs(shadow):
+        config._attn_implementation_internal = _ESTIMATE_KEY
+    rank0 = Repeated(None, cp, 0, implementation)
+    rank0.checks_left = 0  # no group to compare batches over
+    active = context._ACTIVE[0]
+    try:
+        _, kwargs = rank0.split((), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for name, value in list(vars(rank0).items()):  # its positions, as fake tensors
+                if isinstance(value, torch.Tensor):
+                    setattr(rank0, name, mode.from_tensor(value))
+            kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            context._ACTIVE[0] = rank0
+            return shadow(**kwargs, use_cache=False), kwargs["input_ids"].shape[1]
+    finally:
+        context._ACTIVE[0] = active
 
 
 def _to_float8(model: nn.Module, plan: Plan, shadow: nn.Module) -> None:
@@ -497,7 +560,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     notes = []
     activations: dict[str, Any] | None = None
     if tokens is not None:
-        activations = estimate_activations(model, plan, batch=batch, seq=seq, cap=cap, fp8=fp8)
+        activations = estimate_activations(model, plan, batch=batch, seq=seq, cp=cp, cap=cap, fp8=fp8)
         if gathered and activations["bytes"] is not None:
             # a weight gathered in FP8 is saved as FSDP2's unsharded parameter (left out
             # here, as every unsharded parameter is), not as a cast of its own
@@ -520,6 +583,19 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         "shared_inputs": shared,
         "notes": notes,
     }
+
+
+def context_summary(cost: dict[str, Any]) -> list[str]:
+    """``dump-plan --cp``'s line on context parallelism's activation memory per rank (empty
+    without ``cp > 1`` or ``--batch/--seq``)."""
+    act = cost.get("activations") or {}
+    if cost.get("cp", 1) <= 1 or act.get("attention") is None:
+        return []
+    from .cost_render import human_bytes
+
+    return [f"context parallelism cp={cost['cp']}: activations per rank {human_bytes(act['bytes'])}, of which "
+            f"attention {human_bytes(act['attention'])} (gathered keys and values, queries, outputs, "
+            f"log-sum-exp; rank 0's two chunks of each {cost['seq']}-token sequence)"]
 
 
 def _issue_dict(i: Issue) -> dict[str, Any]:
