@@ -7,7 +7,9 @@ every size keeping its relation to ``tp`` -- then ``tp`` gloo processes each bui
 same seeded model, keep an unsharded copy, ``transform`` the other, run one forward and
 backward on both and compare, per module: the module's forward output, every parameter
 gradient (the TP shard mapped back to the HF rows it holds), the model outputs and loss,
-and greedy ``generate`` tokens where the model generates.
+and greedy ``generate`` tokens where the model generates.  ``--cp C`` runs
+``parallelize(tp, cp=C)`` on ``tp x C`` processes instead
+(:mod:`tpcompile.tools.verify_context`).
 """
 
 from __future__ import annotations
