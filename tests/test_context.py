@@ -5,12 +5,17 @@ mirrored chunks, gathers keys and values in attention and returns the whole sequ
 loss.  Against the single-process model (fp32): the loss, the logits put back in order
 (``gather_sequence``) and every gradient within 1e-5 — at cp=2 (world 2) for llama (sdpa
 and eager, an odd length, a left-padded batch with an ``attention_mask``), qwen3, mistral
-with a sliding window shorter than the sequence, gpt2 (absolute positions), packed sequences
-(position ids restarting) under activation checkpointing; at cp=2 x tp=2
-and dp_shard=2 x cp=2 (world 4); two AdamW steps equal too.  A model that mixes positions
+with a sliding window shorter than the sequence, gpt2 (absolute positions), gemma2
+(softcapping, alternating windows), mixtral (MoE), packed sequences (position ids
+restarting) under activation checkpointing; at cp=2 x tp=2 (with and without sequence
+parallelism), dp_shard=2 x cp=2 and dp_shard=2 x cp=2 x ep=2 (world 4); two AdamW steps
+equal too; each case asserts which attention core ran (the mask-free blocks or the mask),
+and the blocks equal the masked softmax on their own.  A model that mixes positions
 outside attention (Mamba's convolution over time) is refused at parallelize time, naming
-the module and op; ``generate()`` (a KV cache) is refused clearly, and so is a loader that hands the ranks
-of a CP group different sequences; a sharded checkpoint taken at cp=2 resumes at cp=1.
+the module and op; ``generate()`` (a KV cache) is refused clearly, and so are a router's
+load-balancing loss and a loader that hands the ranks of a CP group different sequences;
+a sharded checkpoint taken at cp=2 resumes at cp=1.  The cost model's collectives and
+activation memory match a real step; ``verify --cp`` passes and names an injected fault.
 """
 
 from __future__ import annotations
