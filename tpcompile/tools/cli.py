@@ -375,7 +375,7 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
 
 def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], *,
                   start: float, cost: dict[str, Any]) -> str:
-    from .cost import context_summary
+    from .cost_context import context_summary
     from .cost_render import render_modules, render_summary
 
     rows, total_bytes = _param_rows(plan, dtypes)

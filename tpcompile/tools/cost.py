@@ -43,7 +43,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.propagate import innermost_module
 from ..capture import Capture, capture
 from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
@@ -51,7 +50,7 @@ from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
 from .cost_params import Issue, fp8_gathered, fp8_issues, fsdp_issues, local_shape, memory
 
-__all__ = ["COLLECTIVES", "Issue", "context_summary", "estimate_activations", "estimate_cost", "trace_collectives"]
+__all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
 
 # every collective name the cost section may report (torch.distributed functions)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -291,7 +290,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
     runtime (under TP they save their FP8 casts of input and weight, 1 byte per element).
 
     ``cp > 1``: the forward runs on rank 0's slice of each sequence through context
-    parallelism's own split and attention (:func:`_context_forward`: keys and values
+    parallelism's own split and attention (:func:`~.cost_context.context_forward`: keys and values
     "gathered" as ``cp`` copies of the local ones), and ``attention`` is the part saved
     inside that attention (the gathered keys and values, queries, outputs, log-sum-exp,
     any mask).
@@ -302,6 +301,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..analysis.fixups import apply_fixups
+    from .cost_context import ATTENDING, context_forward
 
     cap = cap or capture(model)
     stacks = cap.stacks
@@ -345,7 +345,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
         s = t.untyped_storage()
         if s._cdata not in owned and s._cdata not in saved:
             saved[s._cdata] = (current[0], s.nbytes())
-            if _ATTENDING[0]:
+            if ATTENDING[0]:
                 in_attention.add(s._cdata)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -355,7 +355,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
     shadow.train()
     try:
         if cp > 1:
-            out, local = _context_forward(shadow, mode, pack, cp, batch, seq)
+            out, local = context_forward(shadow, mode, pack, cp, batch, seq)
         else:
             local = seq
             with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -385,54 +385,6 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
                       "(repeated blocks once) + gathered logits + loss buffer"}
 
 
-_ATTENDING = [False]  # inside context parallelism's attention (the estimate's forward)
-_ESTIMATE_KEY = "tpcompile_cp_estimate"
-
-
-def _counted_attention(*args: Any, **kwargs: Any) -> Any:
-    """Context parallelism's attention, with what it saves marked as attention's."""
-    from ..runtime.context import cp_attention
-
-    _ATTENDING[0] = True
-    try:
-        return cp_attention(*args, **kwargs)
-    finally:
-        _ATTENDING[0] = False
-
-
-def _context_forward(shadow: nn.Module, mode: Any, pack: Any, cp: int, batch: int,
-                     seq: int) -> tuple[Any, int]:
-    """One training forward of ``shadow`` (fake tensors) as rank 0 of a CP group runs it:
-    the runtime's split of a ``batch × seq`` batch of plain positions and its attention,
-    the all-gathers replaced by ``cp`` copies of the local keys and values (the same
-    shapes, nothing else saved).  Returns the output and the local length."""
-    from ..plan.context import attention_configs
-    from ..runtime import context
-
-    class Repeated(context.ContextParallel):
-        def gather(self, t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t] * self.size, dim=2)
-
-    implementation = getattr(getattr(shadow, "config", None), "_attn_implementation", None) or "sdpa"
-    context.register_attention(_ESTIMATE_KEY, _counted_attention)
-    for config in attention_configs(shadow):
-        config._attn_implementation_internal = _ESTIMATE_KEY
-    rank0 = Repeated(None, cp, 0, implementation)
-    rank0.checks_left = 0  # no group to compare batches over
-    active = context._ACTIVE[0]
-    try:
-        _, kwargs = rank0.split((), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
-        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for name, value in list(vars(rank0).items()):  # its positions, as fake tensors
-                if isinstance(value, torch.Tensor):
-                    setattr(rank0, name, mode.from_tensor(value))
-            kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            context._ACTIVE[0] = rank0
-            return shadow(**kwargs, use_cache=False), kwargs["input_ids"].shape[1]
-    finally:
-        context._ACTIVE[0] = active
-
-
 def _to_float8(model: nn.Module, plan: Plan, shadow: nn.Module) -> None:
     """The shadow's FP8 projections as the runtime runs them (runtime/fp8.py)."""
     from ..runtime.fp8 import convert_fp8_estimate
@@ -458,67 +410,6 @@ def _totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict
                 table[op] = {"count": count, "bytes": int(sum((i.bytes(tokens) for i in mine), Fraction(0)))}
         out[phase] = table
     return out
-
-
-def _cp_issues(model: nn.Module, plan: Plan, cp: int) -> list[Issue]:
-    """Context parallelism's collectives (runtime/context.py): per attention call, the keys
-    and the values all-gathered over the CP group in forward (each rank passes its 1/cp
-    of the positions, its TP-local KV heads) and their gradients reduce-scattered in
-    backward (the gathered tensor passed in); one all-reduce of the loss."""
-    from ..plan.context import ATTENTION_OPS, context_capture
-
-    cap, _ = context_capture(model)
-    tokens = _capture_tokens(cap)
-    issues: list[Issue] = []
-    for node in cap.graph.nodes:
-        if node.target not in ATTENTION_OPS:
-            continue
-        module = innermost_module(node)
-        expanded = cap.stacks.expand(module)
-        for arg, what in ((node.args[1], "keys"), (node.args[2], "values")):
-            arg = _before_repeat(arg)  # gathered before repeat_kv: only the KV heads move
-            local = Fraction(_nbytes(arg), tokens) * _local_fraction(arg, cap, plan)  # per token, TP-local
-            base = dict(source=module, op="all_gather", group="cp", count=len(expanded), label=_label(expanded))
-            issues.append(Issue(**base, phase="forward", what=f"{what} (this rank's positions)",
-                                bytes_per_token=local / cp))
-            issues.append(Issue(**{**base, "op": "reduce_scatter_tensor"}, phase="backward",
-                                what=f"gradient of the gathered {what}", bytes_per_token=local))
-    issues.append(Issue(source="loss", phase="forward", op="all_reduce", group="cp", count=1, fixed_bytes=4,
-                        what="the sequence's loss (sum of the ranks' parts)"))
-    return issues
-
-
-_SHAPE_OPS = {aten.expand.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
-              aten.unsqueeze.default, aten.clone.default, aten.contiguous.default, aten.slice.Tensor}
-
-
-def _before_repeat(node: fx.Node) -> fx.Node:
-    """The smallest tensor ``node`` is a reshaped / expanded copy of (keys before
-    ``repeat_kv``: ``k[:, :, None].expand(...).reshape(...)``)."""
-    best, n = node, node
-    while n.op == "call_function" and n.target in _SHAPE_OPS and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-        if _nbytes(n) < _nbytes(best):
-            best = n
-    return best
-
-
-def _local_fraction(node: fx.Node, cap: Capture, plan: Plan) -> Fraction:
-    """How much of ``node``'s features a TP rank holds: that of the projection producing
-    them (1 when nothing is split)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for a in n.all_input_nodes:
-            fqn = cap.param_of_placeholder.get(a.target) if a.op == "placeholder" else None
-            pp = plan.params.get(fqn) if fqn else None
-            if pp is not None and len(pp.global_shape) == 2 and plan.tp > 1:
-                return Fraction(pp.local_shape[0], pp.global_shape[0])
-        todo.extend(a for a in n.all_input_nodes if a.op != "placeholder")
-    return Fraction(1)
 
 
 def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq: int | None = None,
@@ -554,7 +445,9 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     if fp8 and (plan.tp > 1 or gathered):
         issues += fp8_issues(model, plan, gathered)
     if cp > 1:
-        issues += _cp_issues(model, plan, cp)
+        from .cost_context import context_issues
+
+        issues += context_issues(model, plan, cp)
     tokens = None if batch is None else batch * seq
     mem: dict[str, Any] = memory(model, plan, dp_shard)
     notes = []
@@ -583,19 +476,6 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         "shared_inputs": shared,
         "notes": notes,
     }
-
-
-def context_summary(cost: dict[str, Any]) -> list[str]:
-    """``dump-plan --cp``'s line on context parallelism's activation memory per rank (empty
-    without ``cp > 1`` or ``--batch/--seq``)."""
-    act = cost.get("activations") or {}
-    if cost.get("cp", 1) <= 1 or act.get("attention") is None:
-        return []
-    from .cost_render import human_bytes
-
-    return [f"context parallelism cp={cost['cp']}: activations per rank {human_bytes(act['bytes'])}, of which "
-            f"attention {human_bytes(act['attention'])} (gathered keys and values, queries, outputs, "
-            f"log-sum-exp; rank 0's two chunks of each {cost['seq']}-token sequence)"]
 
 
 def _issue_dict(i: Issue) -> dict[str, Any]:
