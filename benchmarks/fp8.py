@@ -1,8 +1,9 @@
 """Section ``fp8``: FP8 (torchao float8) vs bf16 vs fp32 at dp_shard 2 x tp 2 (world 4).
 
-One Llama (hidden 256, 4 layers), three runs of ``parallelize(model, tp=2)``: fp32,
-``mixed_precision="bf16"`` (FSDP2 gathers bf16 weights, computes in bf16) and ``fp8=True``
-(fp32 weights, the split projections' matmuls in FP8).  Per rank:
+One Llama (2 layers; hidden 128 in the full run, 256 in the quick one), three runs of
+``parallelize(model, tp=2)``: fp32, ``mixed_precision="bf16"`` (FSDP2 gathers bf16
+weights, computes in bf16) and ``fp8=True`` (fp32 weights, the split projections'
+matmuls in FP8).  Per rank:
 
 * **Weight all-gather bytes per step** — FSDP2's all-gathers of one training step
   (``all_gather_single`` / ``all_gather_into_tensor``), counted by wrapping
@@ -57,9 +58,10 @@ class Spec:
         return cfg
 
 
-# CPU FP8 matmuls (torch._scaled_mm's CPU path) are slow: ~45 s per step of this model on
-# 2 cores, so the full run (50 steps) takes about 40 minutes per mode
-FULL = Spec(layers=2)
+# CPU FP8 matmuls (torch._scaled_mm's CPU path) are slow: one [256, 256] x [256, 704]
+# product takes ~7 s on a busy core, a step of the h256 model ~45 s on 2 idle cores. The
+# full run is the h128 model (8x fewer multiply-adds per matmul), 50 steps in every mode
+FULL = Spec(layers=2, hidden=128, intermediate=352, seq=32)
 QUICK = Spec(layers=2, steps=10, repeats=2, timeout_s=1200.0)
 
 
