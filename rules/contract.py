@@ -138,8 +138,8 @@ def activation_matmul(
     """``x [..., m, k] @ y [..., k, n]``: batch dims aligned, ``k`` contracted."""
     xv, yv = an.val(x), an.val(y)
     if isinstance(xv, Partial) or isinstance(yv, Partial):
-        an.reduce_partials(node)
-        return None
+        an.reduce_partials(node)  # summed first: from here on a replicated value
+        xv, yv = (None if isinstance(v, Partial) else v for v in (xv, yv))
     if not isinstance(xv, Feat) and not isinstance(yv, Feat):
         return None
     nd = an.ndim(node)
@@ -158,16 +158,21 @@ def activation_matmul(
     if xa is None or ya is None:  # the replicated side meets every rank's own features
         an.shares(node, x if xa is None else y, an.aligned_to(xa if ya is None else ya, nd))
     x_m = x_k = y_k = y_n = None
+    # the features along the contracted dim ``k`` are summed on one rank: tied into one
+    # unit (with those of every row); a ``k`` without features ties nothing (a scan's
+    # per-channel state times a shared vector keeps its channels apart)
     if xa is not None:
         xa = an.aligned_to(xa, nd)
-        x_k = an.union_along(xa, [nd - 2])
+        if xa.shape[-1] > 1:
+            x_k = an.union_along(xa, [nd - 2])
+            an.union_along(x_k, [nd - 1])
         x_m = an.union_along(xa, [nd - 1])
-        an.union_along(x_k, [nd - 1])
     if ya is not None:
         ya = an.aligned_to(ya, nd)
-        y_k = an.union_along(ya, [nd - 1])
+        if ya.shape[-2] > 1:
+            y_k = an.union_along(ya, [nd - 1])
+            an.union_along(y_k, [nd - 2])
         y_n = an.union_along(ya, [nd - 2])
-        an.union_along(y_k, [nd - 2])
     if x_k is not None and y_k is not None:
         an.union(np.swapaxes(x_k, -1, -2), y_k)
     parts = [p for p in (x_m, y_n) if p is not None]

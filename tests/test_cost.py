@@ -102,6 +102,10 @@ class _Dispatched(TorchDispatchMode):
 def _build(name: str, overrides: dict, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
+    if name == "mamba":  # a re-entering row (x_proj): its output's gradient all-reduced too
+        from families import build
+
+        return build(name, meta=meta).train()
     torch.manual_seed(0)
     auto = AutoModelForMaskedLM if name == "bert" else AutoModelForCausalLM
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -158,6 +162,7 @@ _TP_CASES = [
     ("gpt2", {}, 2, 1, False),
     ("mixtral", {}, 2, 1, False),
     ("bert", {}, 2, 1, False),
+    ("mamba", {}, 2, 1, False),
     ("llama", {}, 1, 2, False),  # FSDP2 alone (parallelize at tp=1, dp_shard=2)
 ]
 _FSDP_CASES = [(name, {}, 2, 2, False) for name in ("llama", "gpt2", "mixtral", "bert")]

@@ -99,7 +99,7 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 
 
 # the classes that broke, at tp=4 where their sizes allow (heads, vocab and MLP divide)
-CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None)]
+CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None)]
 
 
 @pytest.mark.slow

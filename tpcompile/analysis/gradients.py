@@ -15,6 +15,8 @@ not split itself must be summed by what the plan installs —
 * a parameter sliced to this rank's features (its gradient is then local), or one whose
   gradient is all-reduced (``GradSum``);
 * the input of a column-parallel contraction (``EnterRegion`` all-reduces input grads);
+* a row's sum that only split code reads, whose gradient its module's exit sums
+  (:mod:`.reentry`);
 * an operand the op only places (``cat``, ``stack``, scatter's base): the positions it
   fills are whole on every rank, so its gradient is too.
 
@@ -25,6 +27,7 @@ replicated with a warning — never a model whose gradients differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +36,9 @@ import torch.fx as fx
 from .partition import Partition
 from .propagate import Analysis, innermost_module
 from .state import Feat, ParamRef
+
+if TYPE_CHECKING:
+    from .reentry import Reentry
 
 __all__ = ["UnsummedGradient", "rank_of", "splits", "unsummed_gradients"]
 
@@ -81,7 +87,7 @@ def splits(part: Partition, atoms: np.ndarray) -> bool:
     return bool((ranks == -2).any()) or any(varies(ranks, d) for d in range(ranks.ndim))
 
 
-def _has_gradient(an: Analysis, arg: fx.Node, layouts: dict, summed: set[str]) -> str | None:
+def _has_gradient(an: Analysis, arg: fx.Node, layouts: dict, summed: set[str], reentered: set) -> str | None:
     """The operand's name if its gradient must come out whole but would not, else None."""
     v = an.value.get(arg)
     meta = an.meta(arg)
@@ -91,17 +97,21 @@ def _has_gradient(an: Analysis, arg: fx.Node, layouts: dict, summed: set[str]) -
         if v.is_buffer or v.fqn in layouts or v.fqn in summed:
             return None
         return v.fqn
-    if isinstance(v, Feat) or arg not in an.tainted:
+    if isinstance(v, Feat) or arg not in an.tainted or arg in reentered:
         return None
     return arg.name
 
 
-def unsummed_gradients(an: Analysis, part: Partition, layouts: dict, summed: set[str]) -> list[UnsummedGradient]:
+def unsummed_gradients(an: Analysis, part: Partition, layouts: dict, summed: set[str],
+                       reentry: Reentry | None = None) -> list[UnsummedGradient]:
     """Every (op, operand) of the graph whose partial gradient the plan leaves unsummed.
 
     ``layouts``: the parameters sliced to local features; ``summed``: those whose
-    gradient is all-reduced."""
-    columns = {c.node for c in an.columns}
+    gradient is all-reduced; ``reentry``: the row sums whose gradient is summed at their
+    module's exit (and the columns that leave their input's to it)."""
+    reentered = reentry.nodes if reentry is not None else set()
+    unentered = reentry.columns if reentry is not None else set()
+    columns = {c.node for c in an.columns if c.fqn not in unentered}
     found: list[UnsummedGradient] = []
     for node in an.graph.nodes:
         if node.op != "call_function" or node in columns:
@@ -112,7 +122,7 @@ def unsummed_gradients(an: Analysis, part: Partition, layouts: dict, summed: set
         if not splits(part, an.aligned_to(out.atoms, an.ndim(node))):
             continue
         for arg in dict.fromkeys(node.all_input_nodes):
-            name = _has_gradient(an, arg, layouts, summed)
+            name = _has_gradient(an, arg, layouts, summed, reentered)
             if name is not None:
                 op = getattr(node.target, "__name__", str(node.target))
                 found.append(UnsummedGradient(innermost_module(node), op, name, out.atoms))

@@ -19,6 +19,7 @@ from ..errors import TPError
 from .gradients import rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
+from .reentry import Reentry, find_reentry
 from .state import Feat, ParamRef
 
 __all__ = ["Analyzed", "analyze"]
@@ -44,6 +45,7 @@ class Analyzed:
     forced: set = field(default_factory=set)  # fqns (overrides) and (fqn, dim) blocks
     notes: list[str] = field(default_factory=list)
     passes: int = 0
+    reentry: Reentry = field(default_factory=Reentry)  # row exits that also sum gradients
 
 
 def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
@@ -96,6 +98,11 @@ def _aligned_checks(a: Analyzed) -> set:
         node: fx.Node = ev.operand
         if sliced and not ev.tainted and _uniform_along(an, node, sliced, nd):
             continue  # a fresh fill: rank-local once its size is (a fix-up; the dry run checks)
+        if not sliced and shared and ev.tainted:
+            found = find_reentry(an, part, a.layouts, node)
+            if found is not None:  # summed where the row's sum leaves its module
+                a.reentry.update(found)
+                continue
         if sliced or (shared and ev.tainted):
             what = "would need slicing" if sliced else "has a gradient the local features each add to"
             region = _region_blocks(part, an, ev.atoms.reshape(-1))
@@ -118,7 +125,7 @@ def _gradient_checks(a: Analyzed, strict: bool) -> set:
     """The backward check (:mod:`.gradients`): a partial gradient nothing sums is an
     error (strict) or keeps its region replicated."""
     force: set = set()
-    for u in unsummed_gradients(a.an, a.part, a.layouts, a.grad_allreduce):
+    for u in unsummed_gradients(a.an, a.part, a.layouts, a.grad_allreduce, a.reentry):
         if strict:
             raise TPError(
                 f"tpcompile cannot split this model exactly: {u}. Force the region replicated "

@@ -244,20 +244,23 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     # per representative module: its ops, by kind (a vocab-parallel embedding reduces its
     # own output, so it takes neither a row reduce nor a gather)
     rep_ops: dict[str, dict[type, ModuleOp]] = defaultdict(dict)
-    for m in a.column.values():
-        rep_ops[m][EnterRegion] = EnterRegion()
+    for fqn, m in a.column.items():
+        if fqn not in a.reentry.columns:  # else its input's gradient is summed at a row's exit
+            rep_ops[m][EnterRegion] = EnterRegion()
     for fqn, m in a.lm_head.items():
         rep_ops[m][EnterRegion] = EnterRegion()
         if not loss_parallel:
             rep_ops[m][GatherOutput] = GatherOutput(vocab_size=int(a.layouts[fqn].size))
-    for m, bias in a.row.values():
-        biases = rep_ops[m][ReduceOutput].row_biases if ReduceOutput in rep_ops[m] else ()
+    for fqn, (m, bias) in a.row.items():
+        prev = rep_ops[m].get(ReduceOutput)
+        biases = prev.row_biases if prev is not None else ()
+        reenter = fqn in a.reentry.rows or (prev is not None and prev.reenter)
         if bias is not None:
             owner, pname = _owner(bias)
             if owner != m:
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
             biases = (*biases, pname)
-        rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases)
+        rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter)
     for fqn, users in a.embedding.items():
         for m in users:
             rep_ops[m][VocabEmbedding] = VocabEmbedding(vocab_size=int(a.layouts[fqn].size))

@@ -5,6 +5,7 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
     EnterRegion()                      identity forward, all-reduce of the input grads
     VocabEmbedding(vocab_size=V)       masked lookup of this rank's rows, all-reduce
     ReduceOutput(row_biases=["bias"])  all-reduce of the partial sum, bias added once after
+    ReduceOutput(reenter=True)         ... and of its gradient (only split code reads it)
     GatherOutput(vocab_size=V)         all-gather of the vocab-sharded logits (unpadded to V)
     GradSum(params=["weight"])         all-reduce of a replicated parameter's gradient
 
@@ -21,6 +22,8 @@ hook                phase     op          tensor each rank passes in
                                           share one)
 ``EMBED_REDUCE``    forward   all_reduce  the masked embedding output
 ``EXIT_REDUCE``     forward   all_reduce  each floating output (row-parallel partial sum)
+``EXIT_GRAD``       backward  all_reduce  gradient of each floating output a re-entering
+                                          row's split readers each partly compute
 ``EXIT_GATHER``     forward   all_gather  the vocab-sharded logits (local shard)
 ``GRAD_SUM``        backward  all_reduce  the replicated parameter's gradient
 ``REPLICA_SUM``     backward  all_reduce  the KV-replica parameter's gradient over its
@@ -50,6 +53,7 @@ class Hook(str, enum.Enum):
     EMBED_REDUCE = "embed_reduce"  # masked vocab-parallel lookup, then reduce_from_tp
     EXIT_REDUCE = "exit_reduce"  # reduce_from_tp of the partial-sum output
     EXIT_GATHER = "exit_gather"  # gather_from_tp of the vocab-sharded logits
+    EXIT_GRAD = "exit_grad"  # copy_to_tp after the reduce: the output re-enters split code
     GRAD_SUM = "grad_sum"  # all_reduce_grad of a replicated parameter on sharded features
     REPLICA_SUM = "replica_sum"  # the gradient sum over the copies of a KV-replicated parameter
 
@@ -59,6 +63,7 @@ _PHASE_OP = {
     Hook.EMBED_REDUCE: ("forward", "all_reduce"),
     Hook.EXIT_REDUCE: ("forward", "all_reduce"),
     Hook.EXIT_GATHER: ("forward", "all_gather"),
+    Hook.EXIT_GRAD: ("backward", "all_reduce"),
     Hook.GRAD_SUM: ("backward", "all_reduce"),
     Hook.REPLICA_SUM: ("backward", "all_reduce"),
 }
@@ -139,14 +144,19 @@ class VocabEmbedding(ModuleOp):
 
 @dataclass(frozen=True, kw_only=True)
 class ReduceOutput(ModuleOp):
-    """Row-parallel: ``Y = Σ_r X_r · W_r`` all-reduced; the biases are added once, after."""
+    """Row-parallel: ``Y = Σ_r X_r · W_r`` all-reduced; the biases are added once, after.
+
+    ``reenter``: only split code reads ``Y`` (Mamba's ``x_proj``, whose ``B`` / ``C``
+    every channel of the scan reads), so each rank computes part of its gradient, which
+    is all-reduced here too (:mod:`tpcompile.analysis.reentry`)."""
 
     kind: ClassVar[str] = "reduce_output"
     order: ClassVar[int] = 2
     row_biases: tuple[str, ...] = ()  # names local to the module
+    reenter: bool = False
 
     def collectives(self) -> list[Collective]:
-        return [Collective(hook=Hook.EXIT_REDUCE)]
+        return [Collective(hook=Hook.EXIT_REDUCE)] + ([Collective(hook=Hook.EXIT_GRAD)] if self.reenter else [])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +209,7 @@ class ModulePlan:
             if isinstance(op, GradSum):
                 op = GradSum(params=(*old.params, *op.params))
             elif isinstance(op, ReduceOutput):
-                op = ReduceOutput(row_biases=(*old.row_biases, *op.row_biases))
+                op = ReduceOutput(row_biases=(*old.row_biases, *op.row_biases), reenter=old.reenter or op.reenter)
         self.ops = sorted([*self.ops, op], key=lambda o: o.order)
 
     def collectives(self, replicas: Iterable[str] = ()) -> list[Collective]:

@@ -260,6 +260,8 @@ class _ReduceHooks(OpHooks):
         def reduce(t: torch.Tensor) -> torch.Tensor:
             if not t.is_floating_point():
                 return t
+            if self.op.reenter:  # split code reads the sum: its gradient is summed here too
+                return comm.copy_to_tp(comm.reduce_from_tp(t, self.group), self.group)
             left = leave(t) if leave is not None else None
             split.append(left is not None)
             return left if left is not None else comm.reduce_from_tp(t, self.group)

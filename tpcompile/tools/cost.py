@@ -214,6 +214,11 @@ def trace_collectives(model: nn.Module, plan: Plan, cap: Capture | None = None) 
                     if node in grad:
                         issues.append(Issue(**base, count=blocks, what=f"grad of input {node.name}",
                                             bytes_per_token=Fraction(_nbytes(node), tokens)))
+            elif c.hook is Hook.EXIT_GRAD:  # a re-entering row: its output's gradient
+                for node in call.outputs:
+                    if _floating(node) and node in grad:
+                        issues.append(Issue(**base, count=blocks, what=f"grad of output {node.name}",
+                                            bytes_per_token=Fraction(_nbytes(node), tokens)))
             elif c.hook in (Hook.EMBED_REDUCE, Hook.EXIT_REDUCE, Hook.EXIT_GATHER):
                 for node in call.outputs:
                     if _floating(node):
@@ -249,6 +254,17 @@ def _label(fqns: list[str]) -> str:
     return ".".join([*parts[0][:at], "{" + text + "}", *parts[0][at + 1:]])
 
 
+def _same_tensor(node: fx.Node) -> bool:
+    """A conversion that returns its input itself (``.to(dtype)`` / ``.float()`` of a tensor
+    already of that dtype, an alias)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in (torch.ops.aten.to, torch.ops.aten.alias) or not node.all_input_nodes:
+        return False
+    src, val = _val(node.all_input_nodes[0]), _val(node)
+    return (isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dtype == val.dtype
+            and tuple(src.shape) == tuple(val.shape))
+
+
 def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
     """The vocab-parallel CE's collectives, when the model's loss runs on the local shard."""
     from ..runtime.loss import is_causal_lm_loss
@@ -263,6 +279,10 @@ def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
         # LM head returned them; a model that changes them first (soft-capping) does not
         out = next(n for n in cap.graph.nodes if n.op == "output")
         direct = set(out.all_input_nodes)
+        for n in list(direct):  # ``logits.float()`` in fp32 is the same tensor at runtime
+            while n.op == "call_function" and _same_tensor(n):
+                n = n.all_input_nodes[0]
+                direct.add(n)
         head_nodes = {n for call in _module_calls(cap) if call.fqn == head for n in call.outputs}
         if not direct & head_nodes:
             return []
