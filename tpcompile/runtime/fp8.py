@@ -23,7 +23,9 @@ and is supported without tensor parallelism only.
 
 A module is converted in place (its class becomes :class:`TPFloat8Linear`, a
 ``Float8Linear``): tpcompile's hooks, its parameters and its state dict stay as they
-are, so every checkpoint path keeps the high-precision HF tensors.
+are, so every checkpoint path keeps the high-precision HF tensors.  Under FSDP2
+(``parallelize``) the weights arrive already in FP8, all-gathered with the whole weight's
+scale (:mod:`tpcompile.runtime.fp8_gather`), and are not cast again.
 """
 
 from __future__ import annotations
