@@ -14,7 +14,7 @@ from tpcompile.tools.verify import _inputs, build_small_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral",
             "bert", "t5", "vit", "whisper", "mamba", "deepseek_v3", "qwen2_moe", "gpt_oss", "falcon",
-            "bloom", "opt"]
+            "bloom", "opt", "mamba2"]
 _MAX_PARAMS = 3_000_000  # "small": a forward on CPU in milliseconds
 
 
@@ -144,6 +144,21 @@ def test_sub_configs_are_shrunk() -> None:
     llava = shrink_config(AutoConfig.for_model("llava"), 2)
     assert llava.text_config.num_hidden_layers == 2 and llava.text_config.hidden_size <= 128
     assert llava.vision_config.num_hidden_layers == 2 and llava.vision_config.image_size <= 64
+
+
+@pytest.mark.parametrize("name,keys", [("mamba2", ("num_heads", "head_dim", "expand", "n_groups")),
+                                       ("bamba", ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups")),
+                                       ("zamba2", ("n_mamba_heads", "mamba_headdim", "mamba_expand", "mamba_ngroups"))])
+def test_state_space_heads_tile_the_width(name: str, keys: tuple) -> None:
+    """A Mamba-2-style mixer's heads x head width stays expand x hidden (its config
+    validates it), and its groups divide the heads, relating to tp as the real ones."""
+    heads, dim, expand, groups = keys
+    real = AutoConfig.for_model(name)
+    small = shrink_config(real, 2)
+    assert getattr(small, heads) * getattr(small, dim) == getattr(small, expand) * small.hidden_size
+    assert getattr(small, heads) % getattr(small, groups) == 0
+    assert (getattr(small, groups) % 2 == 0) == (getattr(real, groups) % 2 == 0)
+    assert getattr(small, heads) <= 8 and small.hidden_size <= 128
 
 
 def test_count_and_size_helpers() -> None:

@@ -295,6 +295,45 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
             new[key] = math.ceil(width / 16)
 
 
+# Mamba-2-style mixers: (heads, head width, expansion) under the names families use
+_SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+              ("n_mamba_heads", "mamba_headdim", "mamba_expand"), ("mamba_num_heads", "mamba_head_dim", "expand"))
+_SSM_GROUP_KEYS = ("n_groups", "mamba_n_groups", "mamba_ngroups")
+_SSM_STATE_KEYS = ("state_size", "mamba_d_state", "ssm_state_size")
+_SSM_CHUNK_KEYS = ("chunk_size", "mamba_chunk_size")
+_SSM_STATE = 16
+_SSM_CHUNK = 8
+
+
+def _shrink_ssm(data: dict[str, Any], new: dict[str, Any], tp: int) -> None:
+    """A Mamba-2-style mixer keeps ``heads x head width = expand x hidden`` when the real
+    config has it (its config validates that), groups that divide the heads and relate to
+    ``tp`` as the real ones, a small state and chunks shorter than the test sequence."""
+    hidden_keys = _get(data, _HIDDEN_KEYS)
+    if not hidden_keys or hidden_keys[0] not in new:
+        return
+    hidden = new[hidden_keys[0]]
+    for heads_key, dim_key, expand_key in _SSM_HEADS:
+        if not all(isinstance(data.get(k), int) for k in (heads_key, dim_key, expand_key)):
+            continue
+        if data[heads_key] * data[dim_key] != data[expand_key] * data[hidden_keys[0]]:
+            continue  # heads are not tied to the width here (Falcon-H1's mamba_d_ssm)
+        width = data[expand_key] * hidden
+        heads = count_for_tp(data[heads_key], tp, _HEADS)
+        while width % heads:  # the smallest head count >= the target that tiles the width
+            heads += tp if data[heads_key] % tp == 0 else 1
+        new[heads_key], new[dim_key] = heads, width // heads
+        for key in _get(data, _SSM_GROUP_KEYS):
+            groups = min(heads, count_for_tp(data[key], tp, 2))
+            while heads % groups:
+                groups -= 1
+            new[key] = groups
+        for key in _get(data, _SSM_STATE_KEYS):
+            new[key] = min(data[key], _SSM_STATE)
+        for key in _get(data, _SSM_CHUNK_KEYS):
+            new[key] = min(data[key], _SSM_CHUNK)
+
+
 def _shrink_experts(data: dict[str, Any], new: dict[str, Any], tp: int) -> None:
     expert_keys = _get(data, _EXPERT_KEYS)
     for key in expert_keys:
@@ -374,6 +413,7 @@ def _shrink_flat(data: dict[str, Any], tp: int, layers: int) -> dict[str, Any]:
         _shrink_layers(data, new, key, layers)
     heads = _shrink_heads(data, new, tp)
     _shrink_widths(data, new, tp, heads)
+    _shrink_ssm(data, new, tp)
     _shrink_experts(data, new, tp)
     _shrink_vocab(data, new, tp)
     _shrink_positions(data, new)
