@@ -390,7 +390,8 @@ def test_verify_cli_compares_a_cp_run_per_module(capsys: pytest.CaptureFixture[s
     """``verify MODEL --tp 1 --cp 2``: every module's output on each rank's positions, every
     gradient, the loss and the logits put back in order match the unsplit copy (mixtral:
     its experts read positions merged with the batch); a fault injected into one module on
-    one rank is found and named as the first divergence."""
+    one rank is found and named as the first divergence; GPT-OSS (attention sinks, experts)
+    passes too."""
     import json
 
     from tpcompile.tools.cli import main
@@ -406,6 +407,11 @@ def test_verify_cli_compares_a_cp_run_per_module(capsys: pytest.CaptureFixture[s
     config, task = resolve_config("llama")
     bad = verify(config, tp=1, cp=2, task=task, generate=False, fault="model.layers.1.mlp.up_proj")
     assert not bad.ok and bad.first_divergence() == "model.layers.1.mlp.up_proj (forward)", bad.failing()
+    # GPT-OSS: attention sinks (the eager core's extra logits) and its experts
+    from transformers import AutoConfig
+
+    sinks = verify(AutoConfig.for_model("gpt_oss"), tp=1, cp=2, task="causal-lm", generate=False)
+    assert sinks.ok and "'mask'" in " ".join(sinks.warnings), (sinks.error, sinks.failing(), sinks.warnings)
 
 
 @pytest.mark.slow
