@@ -6,7 +6,8 @@ Phi-3 with grouped KV heads (two attributes of the same global value that map to
 different local values at tp=2), Apertus (learnable scalars inside its activation) and
 BART (a bias buffer added to the logits after the LM head), CLIP (two towers, two
 required inputs), Qwen3-Next (gated delta-net layers with chunked causal masks) and
-DBRX (an MoE layer whose expert loop depends on the routing) and Mamba-2 (einsums).
+DBRX (an MoE layer whose expert loop depends on the routing), Mamba-2 (einsums) and
+Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -19,7 +20,7 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2"}
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -87,6 +88,13 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=4, num_hidden_layers=2,
             vocab_size=256, expand=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
+    if name == "jamba":  # Mamba layers whose B / C / dt are normalised (params on a re-entered sum)
+        from tpcompile.tools import shrink_config
+
+        cfg = shrink_config(hf.JambaConfig(), 2)
+        if attn is not None:
+            cfg._attn_implementation = attn
+        return hf.JambaForCausalLM, cfg
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

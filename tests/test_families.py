@@ -38,6 +38,7 @@ CASES_TP2 = [
     ("qwen3_next", "sdpa"), ("qwen3_next", "eager"),
     ("dbrx", "sdpa"), ("dbrx", "eager"),
     ("mamba2", None),
+    ("jamba", "sdpa"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
@@ -206,6 +207,26 @@ def test_mamba2_mixer_splits_by_heads() -> None:
         one_group = type(one_group)(one_group.config)
     plan = tpcompile.plan_model(one_group, tp=2)
     assert plan.params[mixer + "in_proj.weight"].role.value == "replicated"
+
+
+def test_mamba_mixer_splits_by_channels_with_a_reentering_row() -> None:
+    """Mamba's x_proj sums the split channels into dt / B / C, which every channel then
+    reads: its exit all-reduces the sum and, backward, its gradient (re-entry); dt_proj,
+    applied in the mixer's own code, no longer all-reduces its input; Jamba's norms of
+    B / C / dt, applied to the re-entered sum, have their gradients all-reduced."""
+    plan = tpcompile.plan_model(build("mamba", meta=True), tp=2)
+    mixer = "backbone.layers.0.mixer"
+    roles = {k[len(mixer) + 1:]: v.role.value for k, v in plan.params.items() if k.startswith(mixer)}
+    assert roles == {"in_proj.weight": "column", "conv1d.weight": "sharded", "conv1d.bias": "sharded",
+                     "x_proj.weight": "row", "dt_proj.weight": "column", "dt_proj.bias": "sharded",
+                     "A_log": "sharded", "D": "sharded", "out_proj.weight": "row"}
+    x_proj = plan.modules[mixer + ".x_proj"]
+    assert [(c.phase, c.op) for c in x_proj.collectives()] == [("forward", "all_reduce"), ("backward", "all_reduce")]
+    assert mixer not in plan.modules  # no input all-reduce for the column in its own code
+    assert not plan.modules[mixer + ".out_proj"].ops[0].reenter  # the residual reads it whole
+    jamba = tpcompile.plan_model(build("jamba", "sdpa", meta=True), tp=2)
+    for norm in ("b_layernorm", "c_layernorm", "dt_layernorm"):
+        assert jamba.params[f"model.layers.0.mamba.{norm}.weight"].role.value == "replicated_grad_allreduce"
 
 
 @pytest.mark.slow  # the delta-net's sizes take ~15 traces to resolve

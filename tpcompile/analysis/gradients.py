@@ -59,9 +59,10 @@ class UnsummedGradient:
     op: str
     operand: str  # a parameter FQN or the activation's node name
     atoms: np.ndarray  # the split side's atoms (to replicate its region)
+    via: str = "meets split features"
 
     def __str__(self) -> str:
-        return (f"{self.operand} meets split features in op {self.op} (in module "
+        return (f"{self.operand} {self.via} in op {self.op} (in module "
                 f"{self.module or '<root>'}) and each rank would hold only a partial gradient "
                 "for it, which nothing sums")
 
@@ -126,4 +127,15 @@ def unsummed_gradients(an: Analysis, part: Partition, layouts: dict, summed: set
             if name is not None:
                 op = getattr(node.target, "__name__", str(node.target))
                 found.append(UnsummedGradient(innermost_module(node), op, name, out.atoms))
+    # a re-entered value carries a partial gradient back to its row's exit: a parameter
+    # applied to it on the way gets a partial gradient too
+    rows = [r.atoms.reshape(-1) for r in an.rows if reentry is not None and r.fqn in reentry.rows]
+    region = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    for node in reentered:
+        for arg in node.all_input_nodes:
+            v = an.value.get(arg)
+            if isinstance(v, ParamRef) and not v.is_buffer and v.fqn not in layouts and v.fqn not in summed:
+                op = getattr(node.target, "__name__", str(node.target))
+                found.append(UnsummedGradient(innermost_module(node), op, v.fqn, region,
+                                               via="is applied to a re-entered row sum"))
     return found

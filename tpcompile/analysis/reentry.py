@@ -16,7 +16,8 @@ value is made: the row module's exit.  If *every* use of the row's output (throu
 ops that keep it whole) is split code, the whole gradient at the exit is the sum of the
 ranks' partial ones, so the exit's all-reduce can be made two-way (``g`` then ``f``) and
 the columns that read the value drop their own input all-reduce (it would count those
-gradients twice).  A use that keeps the value whole and replicated — the residual stream,
+gradients twice).  A parameter applied to the value on its way (Jamba normalises ``B`` and
+``C``) receives a partial gradient as well and has it all-reduced (``GradSum``).  A use that keeps the value whole and replicated — the residual stream,
 the model output, an unsplit feature — receives the whole gradient on every rank and
 would be counted ``tp`` times: then there is no re-entry and the region stays replicated.
 """
@@ -30,7 +31,7 @@ import torch.fx as fx
 from .gradients import splits
 from .partition import Partition
 from .propagate import Analysis, module_path
-from .state import Feat, Partial
+from .state import Feat, ParamRef, Partial
 
 __all__ = ["Reentry", "find_reentry"]
 
@@ -43,11 +44,13 @@ class Reentry:
     rows: set[str] = field(default_factory=set)
     columns: set[str] = field(default_factory=set)
     nodes: set[fx.Node] = field(default_factory=set)
+    params: set[str] = field(default_factory=set)  # used on the way: partial gradients too
 
     def update(self, other: Reentry) -> None:
         self.rows |= other.rows
         self.columns |= other.columns
         self.nodes |= other.nodes
+        self.params |= other.params
 
 
 def find_reentry(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Reentry | None:
@@ -85,4 +88,10 @@ def find_reentry(an: Analysis, part: Partition, layouts: dict, node: fx.Node) ->
                 continue  # no gradient flows back from it (a mask, a shape check)
             found.nodes.add(user)
             todo.append(user)
+            # a parameter applied on the way (Jamba's norms of B and C) receives the same
+            # partial gradient: it is all-reduced too
+            for arg in user.all_input_nodes:
+                ref = an.value.get(arg)
+                if isinstance(ref, ParamRef) and not ref.is_buffer and ref.fqn not in layouts:
+                    found.params.add(ref.fqn)
     return found

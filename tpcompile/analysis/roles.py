@@ -102,6 +102,7 @@ def _aligned_checks(a: Analyzed) -> set:
             found = find_reentry(an, part, a.layouts, node)
             if found is not None:  # summed where the row's sum leaves its module
                 a.reentry.update(found)
+                a.grad_allreduce |= found.params
                 continue
         if sliced or (shared and ev.tainted):
             what = "would need slicing" if sliced else "has a gradient the local features each add to"

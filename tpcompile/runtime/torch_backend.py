@@ -260,8 +260,8 @@ class _ReduceHooks(OpHooks):
         def reduce(t: torch.Tensor) -> torch.Tensor:
             if not t.is_floating_point():
                 return t
-            if self.op.reenter:  # split code reads the sum: its gradient is summed here too
-                return comm.copy_to_tp(comm.reduce_from_tp(t, self.group), self.group)
+            if self.op.reenter:  # whole after the sum (no token split): re-entered below
+                return comm.reduce_from_tp(t, self.group)
             left = leave(t) if leave is not None else None
             split.append(left is not None)
             return left if left is not None else comm.reduce_from_tp(t, self.group)
@@ -271,6 +271,8 @@ class _ReduceHooks(OpHooks):
             bias = _local(saved[name])
             # added to this rank's tokens only: its gradient sums the group's
             out = out + (comm.all_reduce_grad(bias, self.group) if any(split) else bias)
+        if self.op.reenter:  # split code reads the sum (and bias): its gradient is summed here
+            out = _map_tensors(out, lambda t: comm.copy_to_tp(t, self.group) if t.is_floating_point() else t)
         return out
 
 
