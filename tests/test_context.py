@@ -46,6 +46,8 @@ CASES = {  # name: family, attention, length, padded, tp, the attention core it 
     # softcapped scores (the eager core), a sliding window every other layer
     "gemma2_softcap_window": ("gemma2", "eager", 16, False, 1, "mask", {}),
     "mixtral_moe": ("mixtral", "sdpa", 12, False, 1, "blocks", {}),
+    # ep=2 carved from the CP group itself (dp_shard 1)
+    "cp2_ep2": ("mixtral", "sdpa", 12, False, 1, "blocks", {"ep": 2}),
 }
 CASES4 = {
     "cp2_tp2": ("llama", "sdpa", 12, True, 2, "mask", {}),

@@ -221,11 +221,12 @@ class ParallelConfig:
             raise TPError(f"dp_replicate={rep} x dp_shard={shard} x cp={self.cp} x tp={self.tp} = "
                           f"{rep * shard * self.cp * self.tp} ranks, but the world has {world_size}; use -1 for "
                           "one of the dp degrees")
-        if shard % self.ep:
-            ok = [e for e in range(1, shard + 1) if shard % e == 0]
-            raise TPError(f"ep={self.ep} must divide dp_shard={shard} (expert-parallel ranks are carved from "
-                          f"the data-parallel shard ranks that share a tp rank); ep values that work: {ok}, "
-                          f"or raise dp_shard")
+        carved = shard * self.cp  # the mesh's shard dim holds the CP ranks too
+        if carved % self.ep:
+            ok = [e for e in range(1, carved + 1) if carved % e == 0]
+            raise TPError(f"ep={self.ep} must divide dp_shard={shard} x cp={self.cp} (expert-parallel ranks are "
+                          f"carved from the data-parallel shard and context ranks that share a tp rank); ep "
+                          f"values that work: {ok}, or raise dp_shard")
         if rep > 1:
             strategy = strategy.hybrid_form()
         return replace(self, dp_shard=shard, dp_replicate=rep, sharding_strategy=strategy)

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--cp", type=_positive_int, default=1,
                       help="price context parallelism over this many ranks (parallelize(cp=...))")
     dump.add_argument("--fp8", action="store_true",
-                      help="price FP8 projections (transform(fp8=True)): their amax all-reduces")
+                      help="price FP8 projections (fp8=True): their amax all-reduces and, with --dp-shard, "
+                           "FSDP2's FP8 all-gathers (1 byte per element) and their scale all-reduce")
     dump.set_defaults(handler=_cmd_dump_plan)
 
     tr = sub.add_parser(
