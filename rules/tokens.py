@@ -131,6 +131,19 @@ def cat_tokens(node: fx.Node, tags: Tags) -> Tokens:
     return found[0]
 
 
+@token_rule(aten.stack.default)
+def stack_tokens(node: fx.Node, tags: Tags) -> Tokens:
+    """``stack(parts, dim)``: a new dim, every part carrying the same tokens (a rotation's
+    ``stack((-x2, x1), -1)``)."""
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    found = [tags.get(p) for p in parts]
+    if any(t is None for t in found) or len(set(found)) != 1:
+        raise Mixes("stacks values that do not carry the same tokens")
+    at = _norm(int(dim), len(shape(parts[0]) or ()) + 1)
+    return Tokens(found[0].dim + (at <= found[0].dim), found[0].merged)
+
+
 @token_rule(aten.addmm.default)
 def addmm_tokens(node: fx.Node, tags: Tags) -> Tokens:
     """``(bias, x, weight)``: the rows of ``x`` are tokens."""
@@ -206,21 +219,27 @@ def reduce_tokens(node: fx.Node, tags: Tags) -> Tokens:
     return Tokens(tag.dim if keep else tag.dim - sum(d < tag.dim for d in dims), tag.merged)
 
 
-_DIM_THIRD = {aten.topk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_DIM_THIRD = {aten.topk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+              aten.repeat_interleave.self_int}
 
 
 @token_rule(aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
             aten.log_softmax.int, aten.topk.default, aten.sort.default, aten.split.Tensor,
             aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.glu.default,
             aten.select.int, aten.slice.Tensor, aten.narrow.default, aten.index_select.default,
-            aten.squeeze.dim, aten.unsqueeze.default, aten.gather.default, aten.cumsum.default)
+            aten.squeeze.dim, aten.unsqueeze.default, aten.gather.default, aten.cumsum.default,
+            aten.repeat_interleave.self_int)
 def along_tokens(node: fx.Node, tags: Tags) -> Tokens:
-    """``(input, dim, ...)``: an op along one dim, which must not be the token dim."""
+    """``(input, dim, ...)``: an op along one dim, which must not be the token dim
+    (Cohere's rotary ``repeat_interleave(freqs, 2, dim=-1)`` runs along the features)."""
     target = node.target
     _, tag, nd = leading(node, tags)
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if target in _DIM_THIRD:  # (input, k / sizes / chunks, dim)
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1 if target is aten.topk.default else 0)
+    if target in _DIM_THIRD:  # (input, k / sizes / chunks / repeats, dim)
+        default = {aten.topk.default: -1, aten.repeat_interleave.self_int: None}.get(target, 0)
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default)
+    if target is aten.repeat_interleave.self_int and dim is None:
+        raise Mixes("repeat_interleave without a dim flattens the tokens into the features")
     if target in (aten.sort.default, aten._softmax.default, aten._log_softmax.default) and dim is None:
         dim = -1
     if target is aten.unsqueeze.default:  # a new dim, counted in the output's rank: never the tokens
@@ -259,6 +278,7 @@ def matmul_tokens(node: fx.Node, tags: Tags) -> Tokens:
 
 
 TOKEN_RULES: list[TokenRule] = [
-    getitem_tokens, pointwise_tokens, embedding_tokens, cat_tokens, addmm_tokens, same_tokens, view_tokens, permute_tokens,
+    getitem_tokens, pointwise_tokens, embedding_tokens, cat_tokens, stack_tokens, addmm_tokens, same_tokens, view_tokens,
+    permute_tokens,
     reduce_tokens, along_tokens, norm_tokens, matmul_tokens,
 ]

@@ -101,3 +101,34 @@ def test_typed_sequence_plan_round_trips() -> None:
     assert section["regions"]["model.layers.1.self_attn"]["gather"] == [[["kwargs", "hidden_states"], 1, True]]
     assert section["stacks"]["model.layers"]["stream"] == [stack.stream.path, stack.stream.dim]
     assert SequencePlan.from_dict(section) == seq
+
+
+def test_rotations_along_the_features_keep_the_positions() -> None:
+    """Cohere's rotary (``repeat_interleave(freqs, 2, dim=-1)``, ``stack((-x2, x1), -1)``)
+    runs along the features: context parallelism's position check passes it; a
+    ``repeat_interleave`` without a dim flattens positions into features and mixes."""
+    from transformers import AutoConfig
+
+    from tpcompile.plan.context import check_context
+    from tpcompile.tools.shrink import shrink_config
+
+    with torch.device("meta"):
+        cohere = AutoModelForCausalLM.from_config(shrink_config(AutoConfig.for_model("cohere"), 2))
+    assert check_context(cohere, RuleSet().add(default_rules())) >= 1
+
+    from tpcompile.rules.tokens import along_tokens
+
+    class Repeats(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.repeat_interleave(x, 2, dim=-1), torch.repeat_interleave(x, 2)
+
+    graph = torch.export.export(Repeats(), (torch.zeros(1, 5, 4),)).graph
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    along, flat = [n for n in graph.nodes if n.target is torch.ops.aten.repeat_interleave.self_int]
+    assert along_tokens.fn(along, {x: Tokens(1, False)}) == Tokens(1, False)
+    try:
+        along_tokens.fn(flat, {x: Tokens(1, False)})
+    except Mixes as err:
+        assert "flattens" in str(err), err
+    else:
+        raise AssertionError("a flattening repeat_interleave kept the positions")
