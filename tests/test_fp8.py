@@ -275,15 +275,21 @@ def _all_reduces(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def _without_and_with_fp8(world: int, measure: Any) -> tuple[list[Any], torch.nn.Module, Any]:
+    """``measure(model, ids)`` of a tp=``world`` llama without and with FP8, and the meta
+    copy and plan the cost model prices."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    ran = [measure(tpcompile.transform(_build("llama", "sdpa"), tp=world, fp8=fp8), ids) for fp8 in (None, True)]
+    with torch.device("meta"):
+        meta = _build("llama", "sdpa")
+    return ran, meta, tpcompile.plan_model(meta, tp=world)
+
+
 def _counted(rank: int, world: int) -> dict:
     """FP8's extra all-reduces as run equal the cost model's (``dump-plan --fp8``)."""
     from tpcompile.tools.cost import estimate_cost
 
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
-    ran = [_all_reduces(tpcompile.transform(_build("llama", "sdpa"), tp=world, fp8=fp8), ids) for fp8 in (None, True)]
-    with torch.device("meta"):
-        meta = _build("llama", "sdpa")
-    plan = tpcompile.plan_model(meta, tp=world)
+    ran, meta, plan = _without_and_with_fp8(world, _all_reduces)
     priced = []
     for fp8 in (False, True):
         steps = estimate_cost(meta, plan, fp8=fp8)["per_step"]
@@ -317,11 +323,7 @@ def _saved(rank: int, world: int) -> dict:
     """What FP8 adds to the activations autograd holds, as run and as estimated."""
     from tpcompile.tools.cost import estimate_activations
 
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
-    ran = [_saved_bytes(tpcompile.transform(_build("llama", "sdpa"), tp=world, fp8=fp8), ids) for fp8 in (None, True)]
-    with torch.device("meta"):
-        meta = _build("llama", "sdpa")
-    plan = tpcompile.plan_model(meta, tp=world)
+    ran, meta, plan = _without_and_with_fp8(world, _saved_bytes)
     est = [estimate_activations(meta, plan, batch=2, seq=16, fp8=fp8)["saved_for_backward"] for fp8 in (False, True)]
     return {"ran": ran[1] - ran[0], "estimated": est[1] - est[0]}
 

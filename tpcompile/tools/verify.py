@@ -287,6 +287,26 @@ class _Recorder:
             h.remove()
 
 
+def _run_recorded(model: nn.Module, ref: nn.Module, batch: dict[str, Any], names: list[str],
+                  who: tuple[str, str]) -> tuple[tuple[Any, Any], list[_Recorder]] | str:
+    """One forward and backward of ``ref`` then ``model`` with every named module's
+    output recorded: ``((model's output, ref's), [model's recorder, ref's])``, or what
+    failed (a crash is a finding, reported like a mismatch). ``who`` names the two."""
+    recorders = [_Recorder(m, names) for m in (model, ref)]
+    outs: dict[str, Any] = {}
+    try:
+        for name, m in ((who[1], ref), (who[0], model)):
+            try:
+                outs[name] = m(**batch)
+                _loss(outs[name]).backward()
+            except Exception as exc:
+                return f"forward/backward of {name} failed: {type(exc).__name__}: {exc}"
+    finally:
+        for r in recorders:
+            r.remove()
+    return (outs[who[0]], outs[who[1]]), recorders
+
+
 def _sharded_rows(module: str, plan: Any, rank: int) -> dict[tuple[int, int], torch.Tensor]:
     """``(global, local) size -> HF rows this rank holds`` for every sharded parameter
     of ``module``: a column-parallel module's local output features are the rows of its
@@ -407,19 +427,12 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
         regions, stacks = (seq.regions, seq.stacks) if seq is not None else ({}, {})
         result["warnings"].append(f"sequence parallelism: {len(regions)} regions in "
                                   f"{sorted(stacks) or 'no stack'}")
-    recorders = [_Recorder(m, names) for m in (model, ref)]
-    outs: dict[str, Any] = {}
-    for who, m in (("the unsharded model", ref), ("the transformed model", model)):
-        try:
-            outs[who] = m(**batch)
-            _loss(outs[who]).backward()
-        except Exception as exc:  # a crash is a finding, reported like a mismatch
-            result["error"] = f"forward/backward of {who} failed: {type(exc).__name__}: {exc}"
-            return result
-    outs_tp_ref = (outs["the transformed model"], outs["the unsharded model"])
+    ran = _run_recorded(model, ref, batch, names, ("the transformed model", "the unsharded model"))
+    if isinstance(ran, str):
+        result["error"] = ran
+        return result
+    outs_tp_ref, recorders = ran
     losses = [_loss(o) for o in outs_tp_ref]
-    for r in recorders:
-        r.remove()
     plan = model.tpcompile_plan
     order = list(dict.fromkeys([*recorders[1].order, *names]))  # execution order first
     tokens = (rank, world) if plan.sequence else None

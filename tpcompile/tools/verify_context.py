@@ -27,7 +27,7 @@ from .verify import (
     _inputs,
     _loss,
     _output_tensors,
-    _Recorder,
+    _run_recorded,
     _sharded_rows,
     build_small_model,
 )
@@ -118,18 +118,11 @@ def cp_worker(rank: int, world: int, config: PreTrainedConfig, task: str | None,
         return result
     if opts.get("fault"):
         _inject_fault(model, opts["fault"], rank, world)
-    recorders = [_Recorder(m, names) for m in (model, ref)]
-    outs: dict[str, Any] = {}
-    for who, m in (("the unsplit model", ref), ("the context-parallel model", model)):
-        try:
-            outs[who] = m(**batch)
-            _loss(outs[who]).backward()
-        except Exception as exc:  # a crash is a finding, reported like a mismatch
-            result["error"] = f"forward/backward of {who} failed: {type(exc).__name__}: {exc}"
-            return result
-    for r in recorders:
-        r.remove()
-    got_out, want_out = outs["the context-parallel model"], outs["the unsplit model"]
+    ran = _run_recorded(model, ref, batch, names, ("the context-parallel model", "the unsplit model"))
+    if isinstance(ran, str):
+        result["error"] = ran
+        return result
+    (got_out, want_out), recorders = ran
     context, plan = model.tpcompile_context, model.tpcompile_plan
     tp_rank = model.tpcompile_mesh["tp"].get_local_rank()
     mine = context.index(context.padded, context.rank, torch.device("cpu"))
