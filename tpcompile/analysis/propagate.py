@@ -134,17 +134,19 @@ def slice_indices(bounds: Sequence[Any], size: int) -> list[int]:
 
 
 def place_atoms_at(old: np.ndarray | None, src: np.ndarray | None, shape: Sequence[int],
-                   index: list[np.ndarray], an: Analysis | None = None) -> np.ndarray:
+                   index: list[np.ndarray], an: Analysis | None = None,
+                   keep: tuple[int, ...] = ()) -> np.ndarray:
     """Atoms of a tensor ``old`` of ``shape`` after ``src`` is written at the positions
     ``index`` (one array of positions per dim; ``src`` aligned to all dims, size 1 where
     it broadcasts).  A ``src`` broadcast along a dim where ``old`` gives distinct features
-    gets its own replica atoms per position, as in :func:`place_atoms`."""
+    gets its own replica atoms per position (see :func:`place_atoms`), except along the
+    dims ``keep``."""
     nd = len(shape)
     old = old if old is not None else np.full((1,) * nd, -1, dtype=np.int64)
     src = src if src is not None else np.full((1,) * nd, -1, dtype=np.int64)
     if an is not None and (src >= 0).any():
         for d in range(nd):
-            if src.shape[d] == 1 and old.shape[d] > 1 and len(index[d]) > 1:
+            if d not in keep and src.shape[d] == 1 and old.shape[d] > 1 and len(index[d]) > 1:
                 an.replicated_bases.append(src.reshape(-1).copy())
                 src = np.concatenate([an.atoms.replicas(src) for _ in range(len(index[d]))], axis=d)
     full = np.array(np.broadcast_to(old, tuple(shape)))
@@ -155,30 +157,19 @@ def place_atoms_at(old: np.ndarray | None, src: np.ndarray | None, shape: Sequen
 def place_atoms(old: np.ndarray | None, src: np.ndarray | None, nd: int, dim: int, size: int,
                 idx: list[int], an: Analysis | None = None) -> np.ndarray:
     """Atoms of a tensor ``old`` (``None``: no features) after ``src`` is written at
-    positions ``idx`` of ``dim`` (both already aligned to ``nd`` dims).
+    positions ``idx`` of ``dim`` (both already aligned to ``nd`` dims): the one-dim case
+    of :func:`place_atoms_at` (a scatter's ``dim``), replicas minted off that dim only.
 
     Where ``src`` is broadcast along a dim whose positions ``old`` gives distinct
     features (one shared rotary key written into every head of a key buffer, as
     DeepSeek's MLA does), each position gets its own replica atoms (``an`` mints them):
     the copies may then live on different ranks, like repeated KV heads."""
-    old = old if old is not None else np.full((1,) * nd, -1, dtype=np.int64)
-    src = src if src is not None else np.full((1,) * nd, -1, dtype=np.int64)
-    if an is not None and (src >= 0).any():
-        for d in range(nd):
-            if d != dim and src.shape[d] == 1 and old.shape[d] > 1:
-                an.replicated_bases.append(src.reshape(-1).copy())
-                src = np.concatenate([an.atoms.replicas(src) for _ in range(old.shape[d])], axis=d)
-    shape = [max(a, b) for a, b in zip(old.shape, src.shape, strict=True)]
+    shapes = [a.shape if a is not None else (1,) * nd for a in (old, src)]
+    shape = [max(a, b) for a, b in zip(*shapes, strict=True)]
     shape[dim] = size
-    if old.shape[dim] == 1:
-        old = np.take(old, [0] * size, axis=dim)
-    full = np.array(np.broadcast_to(old, shape))
-    if src.shape[dim] == 1:
-        src = np.take(src, [0] * len(idx), axis=dim)
-    index: list[Any] = [slice(None)] * nd
-    index[dim] = idx
-    full[tuple(index)] = np.broadcast_to(src, [len(idx) if d == dim else s for d, s in enumerate(shape)])
-    return full
+    index = [np.arange(n) for n in shape]
+    index[dim] = np.asarray(idx, dtype=np.int64)
+    return place_atoms_at(old, src, shape, index, an, keep=(dim,))
 
 
 _VIEW_OPS = {
@@ -382,6 +373,7 @@ class Analysis:
         # the base positions the view holds: one index list per base dim
         index = [np.arange(n) for n in self.shape(base)]
         view_dims = list(range(nd))
+        sliced: list[int] = []  # written along a slice: no replicas there (as a scatter's dim)
         for view in reversed(chain):
             vnd = len(view_dims)
             dim = (view.args[1] if len(view.args) > 1 else 0) % vnd
@@ -391,13 +383,13 @@ class Analysis:
                 del view_dims[dim]
             else:
                 index[bd] = index[bd][slice_indices(view.args[2:5], len(index[bd]))]
+                sliced.append(bd)
         src = None
         if isinstance(src_value, Feat):
-            src = np.full((1,) * nd, -1, dtype=np.int64)
             aligned = self.aligned_to(src_value.atoms, len(view_dims))
             src = aligned.reshape([aligned.shape[view_dims.index(d)] if d in view_dims else 1 for d in range(nd)])
         old = self.aligned_to(cur.atoms, nd) if isinstance(cur, Feat) else None
-        self.value[base] = self.feat(place_atoms_at(old, src, self.shape(base), index, self))
+        self.value[base] = self.feat(place_atoms_at(old, src, self.shape(base), index, self, keep=tuple(sliced)))
         self.uniform.pop(base, None)
 
     # ---- helpers for rules ---------------------------------------------------------
