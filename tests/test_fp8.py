@@ -1,9 +1,15 @@
 """FP8 training through torchao's float8, exact under tensor parallelism and FSDP2.
 
-Over gloo: a tp=2 FP8 model (and dp2 x tp2 under ``parallelize``, world 4) trains 4
-AdamW steps with the losses of single-process torchao FP8 on the same linears
-(rel 1e-4), and differs from the high-precision run, so FP8 is really on: llama (eager
-and sdpa), qwen3 with sequence parallelism, mixtral's dense parts.  The default choice
+Over gloo: a tp=2 FP8 model (and dp2 x tp2 under ``parallelize``, world 4) computes, in
+its first step, the scales of single-process torchao FP8 on the same linears: every amax
+torchao turns into a scale (inputs, weights, output gradients, FSDP2's FP8 gathers)
+matches one of the single-process run's and back (rel 1e-4).  FP8 rounding is
+discontinuous: a 1-ulp difference of summation order (any all-reduce) can flip a rounding
+tie, and after an optimizer step the runs' weights differ by ulps, so losses are held to
+one process tightly only in that first step (rel 1e-4) and loosely over the next three
+(rel 1e-3; a wrong gradient moves them by far more); the high-precision run differs, so
+FP8 is really on: llama (eager and sdpa), qwen3 with sequence parallelism, mixtral's
+dense parts.  The default choice
 of linears comes from the plan (split projections only: no LM head, no router).  Under
 FSDP2 the weights are all-gathered in FP8 with the whole weight's scale (exact with
 activation checkpointing, delayed init and uneven shards too; bytes and collectives as
@@ -14,6 +20,7 @@ saves equals the activation estimate; ``torch.compile`` (aot_eager) equals eager
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -27,7 +34,8 @@ from tpcompile.tools.presets import tiny_config
 
 pytest.importorskip("torchao.float8")
 
-REL = 1e-4
+REL = 1e-4  # the first step's loss and every scale of it
+LATER_REL = 1e-3  # losses after an optimizer step: the weights differ by ulps, FP8 rounds them apart
 CASES = {  # family, attention, transform / parallelize keywords
     "llama_sdpa": ("llama", "sdpa", {}),
     "llama_eager": ("llama", "eager", {}),
@@ -43,16 +51,57 @@ def _build(name: str, attn: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def _losses(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+class _Amaxes:
+    """Records every amax torchao turns into a scale while entered (all of them pass
+    ``torchao.float8.float8_utils.amax_to_scale``: the casts of inputs, weights and
+    output gradients, and the scales of FSDP2's FP8 all-gathers)."""
+
+    def __enter__(self) -> list[float]:
+        import torchao.float8.float8_utils as utils
+
+        self.utils, self.original, seen = utils, utils.amax_to_scale, []
+
+        def recorded(amax: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            seen.append(float(amax.detach().float().max()))
+            return self.original(amax, *args, **kwargs)
+
+        utils.amax_to_scale = recorded
+        return seen
+
+    def __exit__(self, *exc: Any) -> None:
+        self.utils.amax_to_scale = self.original
+
+
+def _losses(model: torch.nn.Module, ids: torch.Tensor, record: bool = True) -> dict[str, list[float]]:
+    """Four AdamW steps: their losses, and the distinct amaxes of the first step (forward
+    and backward, before any weight moved; ``record=False``: none, for a compiled model,
+    where a recording graph break would change what AOTAutograd traces)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = []
-    for _ in range(4):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+    out, amaxes = [], []
+    for step in range(4):
+        with _Amaxes() if record else contextlib.nullcontext([]) as seen:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        if step == 0:
+            amaxes = sorted(set(seen))
         opt.step()
         opt.zero_grad()
         out.append(loss.item())
-    return out
+    return {"losses": out, "amaxes": amaxes}
+
+
+def _unmatched(got: list[float], want: list[float], rel: float = REL) -> list[float]:
+    """The values of ``got`` with no value of ``want`` within ``rel``."""
+    return [g for g in got if not any(abs(g - w) <= rel * max(abs(w), 1e-12) for w in want)]
+
+
+def _same_fp8_run(got: dict[str, list[float]], want: dict[str, list[float]], context: Any) -> None:
+    """The FP8 run ``got`` equals ``want`` as far as FP8 allows: every scale of the
+    first step in both directions (where recorded), its loss tightly, later losses loosely."""
+    assert len(got["amaxes"]) == len(want["amaxes"]), context
+    assert not _unmatched(got["amaxes"], want["amaxes"]) and not _unmatched(want["amaxes"], got["amaxes"]), context
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        assert abs(g - w) <= (REL if step == 0 else LATER_REL) * abs(w), context
 
 
 def _compare(model: torch.nn.Module, name: str, attn: str) -> dict[str, Any]:
@@ -77,7 +126,8 @@ def _compiled(rank: int, world: int) -> dict:
     this model takes minutes): the losses of the eager FP8 model."""
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
     models = [tpcompile.transform(_build("llama", "sdpa"), tp=world, fp8=True) for _ in range(2)]
-    return {"compiled": _losses(torch.compile(models[0], backend="aot_eager"), ids), "eager": _losses(models[1], ids)}
+    return {"compiled": _losses(torch.compile(models[0], backend="aot_eager"), ids, record=False),
+            "eager": _losses(models[1], ids, record=False)}
 
 
 def _fsdp(rank: int, world: int, fp8: Any = True, checkpointing: bool = False) -> dict:
@@ -123,9 +173,14 @@ def _stale(rank: int, world: int) -> dict:
     x = torch.randn(2, 16, ref.config.hidden_size, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(16)[None].expand(2, -1)
     rope = ref.model.rotary_emb(x, pos)
-    got, want = (m.model.layers[0](x, position_embeddings=rope, position_ids=pos) for m in (model, ref))
-    got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
-    return {"err": (got - want).abs().max().item(), "scale": want.abs().max().item()}
+    outs, amaxes = [], []
+    for m in (model, ref):
+        with _Amaxes() as seen:
+            out = m.model.layers[0](x, position_embeddings=rope, position_ids=pos)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+        amaxes.append(sorted(set(seen)))
+    got, want = outs
+    return {"err": (got - want).abs().max().item(), "scale": want.abs().max().item(), "amaxes": amaxes}
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -347,9 +402,10 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
 
 
 def _check(r: dict) -> None:
-    for got, want in zip(r["fp8"], r["ref"], strict=True):
-        assert abs(got - want) <= REL * abs(want), r
-    assert max(abs(a - b) for a, b in zip(r["fp8"], r["hp"], strict=True)) > 1e-4, r  # FP8 is really on
+    assert r["fp8"]["amaxes"], r
+    _same_fp8_run(r["fp8"], r["ref"], r)
+    fp8, hp = r["fp8"]["losses"], r["hp"]["losses"]
+    assert max(abs(a - b) for a, b in zip(fp8, hp, strict=True)) > 1e-4, r  # FP8 is really on
     assert r["chosen"] and not any("lm_head" in n or "gate." in n or n.endswith(".gate") for n in r["chosen"]), r
 
 
@@ -377,23 +433,27 @@ def world3() -> CaseResults:
 @pytest.mark.slow
 def test_fp8_gathers_of_unevenly_sharded_weights_equal_single_process_torchao(world3: CaseResults) -> None:
     for r in world3["uneven"]:
-        for got, want in zip(r["fp8"], r["ref"], strict=True):
-            assert abs(got - want) <= REL * abs(want), r
+        assert r["fp8"]["amaxes"], r
+        _same_fp8_run(r["fp8"], r["ref"], r)
         assert r["gathered"] == len(r["chosen"]) > 0, r
 
 
 @pytest.mark.slow
 def test_fp8_gathers_with_delayed_init_equal_single_process_torchao(world4: CaseResults) -> None:
     for r in world4["meta"]:
-        for got, want in zip(r["fp8"], r["ref"], strict=True):
-            assert abs(got - want) <= REL * abs(want), r
+        assert r["fp8"]["amaxes"], r
+        _same_fp8_run(r["fp8"], r["ref"], r)
         assert r["gathered"] == r["chosen"] > 0, r
 
 
 @pytest.mark.slow
 def test_fp8_gathered_block_run_alone_uses_the_new_weights_scales(world4: CaseResults) -> None:
     for r in world4["stale"]:
-        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), r
+        got, want = r["amaxes"]  # a stale weight scale would be missing here, or off by the step
+        assert got and len(got) == len(want), r
+        assert not _unmatched(got, want) and not _unmatched(want, got), r
+        # the weights of the two runs differ by ulps after the step: FP8 may round a tie apart
+        assert r["err"] <= 1e-2 * max(1.0, r["scale"]), r
 
 
 @pytest.mark.slow
@@ -439,5 +499,4 @@ def test_fp8_activation_estimate_is_what_autograd_saves(world2: CaseResults) -> 
 @pytest.mark.slow
 def test_fp8_under_torch_compile_equals_eager(world2: CaseResults) -> None:
     for r in world2["compiled"]:
-        for got, want in zip(r["compiled"], r["eager"], strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), r
+        _same_fp8_run(r["compiled"], r["eager"], r)
