@@ -17,12 +17,13 @@ from .checkpoint import hf_state_dict, load_hf_weights, save_pretrained
 from .config import ParallelConfig
 from .errors import TPError
 from .plan import ModulePlan, ParamPlan, Plan, Role, TranslationTable
+from .runtime.pipeline_step import clip_grad_norm_, pipeline_step
 
 _moved.install()
 
 __all__ = [
     "ModulePlan", "ParallelConfig", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable",
-    "data_parallel_rank", "from_pretrained", "hf_state_dict", "load_hf_weights", "parallelize", "plan_model",
-    "save_pretrained", "transform",
+    "clip_grad_norm_", "data_parallel_rank", "from_pretrained", "hf_state_dict", "load_hf_weights", "parallelize", "pipeline_step",
+    "plan_model", "save_pretrained", "transform",
 ]
 __version__ = "0.1.0"

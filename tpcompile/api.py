@@ -167,6 +167,10 @@ def parallelize(
     plan: Plan | None = None,
     fp8: Any = None,
     fp8_filter: Callable[[nn.Module, str], bool] | None = None,
+    pp: int = 1,
+    pp_schedule: str | None = None,
+    pp_microbatches: int | None = None,
+    pp_virtual: int = 2,
 ) -> nn.Module:
     """Tensor-parallel + FSDP2 (+ activation checkpointing/offloading) in one call, in place.
 
@@ -218,6 +222,16 @@ def parallelize(
             ``fp8=True`` FSDP2 all-gathers the FP8 projections' weights in FP8, scaled by
             the whole weight's amax (computed at each forward; a ``Float8LinearConfig``
             keeps its own ``enable_fsdp_float8_all_gather``).
+        pp: pipeline-parallel degree, the outermost mesh dim: the blocks are cut into
+            stages balanced by FLOPs (embeddings join the first, final norm, head and loss
+            the last); each rank keeps only its stages' modules, under their HF names.
+            Train with :func:`tpcompile.pipeline_step` (:mod:`tpcompile.runtime.pipeline`).
+        pp_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``, ``zbv`` or
+            ``dualpipev``; ``None``: interleaved 1F1B where the blocks and microbatches
+            allow, else 1F1B.
+        pp_microbatches: microbatches per step (``None``: ``2 x pp``); the batch size
+            must divide by it.
+        pp_virtual: stages per rank of the interleaved and zero-bubble schedules.
 
     Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh) and
     ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`);
@@ -241,7 +255,7 @@ def parallelize(
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing,
                  activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed,
-                 fp8=fp8)
+                 fp8=fp8, pp=pp, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_virtual=pp_virtual)
     defaults = {k: p.default for k, p in inspect.signature(parallelize).parameters.items()}
     explicit = {k: v for k, v in given.items() if not _is_default(v, defaults[k])}
     if not dist.is_available() or not dist.is_initialized():
@@ -256,8 +270,10 @@ def parallelize(
         # every rank reads its own rows: a rank-0 broadcast would only add a full copy
         cfg = replace(cfg, load_from_rank0=False)
     device = device_type(model)
-    dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
-    mesh = dims.build(device)
+    dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp,
+                        pp=cfg.pp)
+    _check_pipeline_options(cfg)
+    mesh, whole_mesh = dims.build_pipeline(device)
     # record what delayed init / rank-0 / checkpoint loading needs before any module is
     # rewritten
     pending: Materializer | CheckpointLoader | None = (
@@ -269,6 +285,14 @@ def parallelize(
                          ep=cfg.ep) if plan is not None else plan_model(
         model, cfg.tp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)
     _check_wrap_classes(model, list(plan.blocks), cfg.wrap_classes)
+    stages = bounds = twin = None
+    if cfg.pp > 1:  # before any module changes: the boundaries are read off the whole model
+        from .analysis.boundaries import meta_copy
+        from .plan.stages import plan_pipeline
+
+        twin = meta_copy(model)
+        stages, bounds = plan_pipeline(twin, list(plan.blocks), pp=cfg.pp, schedule=cfg.pp_schedule,
+                                       virtual=cfg.pp_virtual, microbatches=cfg.pp_microbatches)
     if cfg.cp > 1:  # before any module changes: a model CP cannot split is refused as it is
         check_context(model, RuleSet().add(default_rules()))
     tp_mesh = mesh["tp"] if cfg.tp > 1 else None
@@ -278,7 +302,21 @@ def parallelize(
 
     return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
                        device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter,
-                       replan=None if given else replan))
+                       replan=None if given else replan, stages=stages, bounds=bounds, whole_mesh=whole_mesh,
+                       twin=twin))
+
+
+def _check_pipeline_options(cfg: Any) -> None:
+    """What pipeline parallelism does not compose with yet, refused before any work."""
+    if cfg.pp == 1:
+        return
+    unsupported = {"sequence_parallel": cfg.sequence_parallel, "cp > 1": cfg.cp > 1, "ep > 1": cfg.ep > 1,
+                   "activation_offloading": cfg.activation_offloading,
+                   "load_from_rank0 (fsdp_sync_module_states)": cfg.load_from_rank0}
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise TPError(f"pp={cfg.pp} with {', '.join(bad)} is not supported yet: pipeline parallelism composes "
+                      "with tp, FSDP2 / HSDP, activation checkpointing and FP8; drop " + " and ".join(bad))
 
 
 def _is_default(value: Any, default: Any) -> bool:

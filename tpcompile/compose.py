@@ -3,6 +3,8 @@
 Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps 1-3
 (that is ``transform``) and :func:`compose` runs them all (that is ``parallelize``)::
 
+    0. pp           pipeline parallelism: keep this rank's stages, drop the rest; every
+                    later step sees only the stages' modules
     1. tp           shard parameters as DTensors, hook the collectives, HF state dicts
     2. loss         the model's loss reads this rank's vocab shard (or loss-parallel)
     3. sp           sequence parallelism: split / gather the residual stream per block
@@ -31,24 +33,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .analysis.boundaries import Boundaries
 from .checkpoint.hf_methods import bind_save_pretrained, route_peft_saves
 from .checkpoint.pretrained import CheckpointLoader, scatter_from_rank0
 from .config import ParallelConfig
 from .errors import TPError
 from .integrations.hf import support_trainers
 from .plan import Plan, build_table
+from .plan.stages import StagePlan
 from .plan.types import renamed_fqn
 from .runtime import activations
 from .runtime.adapters import adopt_plan, global_twin, size_adapters_globally
 from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.context import install_context_parallel
 from .runtime.experts import shard_experts
-from .runtime.fsdp import fully_shard_model, shard_added_modules
+from .runtime.fsdp import fully_shard_model, fully_shard_stages, shard_added_modules
 from .runtime.guard import planned_names, watch_tree
 from .runtime.loss import install_local_loss, install_loss_parallel
 from .runtime.markers import mark_model
-from .runtime.materialize import Materializer
+from .runtime.materialize import Materializer, keep_present
 from .runtime.mesh import ParallelDims, data_parallel_rank
+from .runtime.pipeline import PipelineRun, split_model
 from .runtime.sequence import install_sequence_parallel
 
 __all__ = ["Job", "compose", "tensor_parallel"]
@@ -74,9 +79,33 @@ class Job:
     names: dict[int, str] = field(default_factory=dict)  # id(module) -> its name when planned
     fp8: Any = None  # None: off; True / "tensorwise" / "rowwise" / a torchao Float8LinearConfig
     fp8_filter: Callable[[nn.Module, str], bool] | None = None
+    # pipeline parallelism: the stages (plan/stages.py), the boundaries they cut at, the
+    # whole (pp, dp_replicate, dp_shard, tp) mesh and, once split, the run driving them
+    stages: StagePlan | None = None
+    bounds: Boundaries | None = None
+    whole_mesh: DeviceMesh | None = None
+    twin: nn.Module | None = None
+    pipeline: PipelineRun | None = None
 
 
 # ---------------------------------------------------------------------------- steps
+
+
+def apply_pp(job: Job) -> None:
+    """0. Pipeline parallelism: this rank keeps the modules of its stages under their HF
+    names (runtime/pipeline.py); the plan, the blocks and the pending init shrink to them."""
+    if job.stages is None:
+        return
+    model = job.model
+    run = split_model(model, job.stages, job.bounds, job.whole_mesh, job.twin)
+    present = {n for n, _ in model.named_modules()}
+    job.plan = job.plan.renamed(lambda n: n if n in present else None, job.plan.model_class)
+    if isinstance(job.pending, Materializer | CheckpointLoader):
+        field_name = "tensors" if isinstance(job.pending, Materializer) else "buffers"
+        setattr(job.pending, field_name, keep_present(getattr(job.pending, field_name), model))
+    if job.cfg is not None and job.cfg.mixed_precision is not None:
+        run.hidden_dtype = job.cfg.mixed_precision.param_dtype
+    model.tpcompile_pipeline = job.pipeline = run
 
 
 def apply_tp(job: Job) -> None:
@@ -176,6 +205,9 @@ def apply_fsdp(job: Job) -> None:
     # FSDP2 shards over dp_shard x cp: to it (and the experts' gradient divide factor)
     # the CP ranks are data-parallel shards
     cfg = replace(job.cfg, dp_shard=job.cfg.dp_shard * job.cfg.cp, cp=1) if job.cfg.cp > 1 else job.cfg
+    if job.pipeline is not None:  # each stage module is the FSDP2 root of its own units
+        fully_shard_stages(job.pipeline.stages, list(job.plan.blocks), cfg, job.mesh, job.device)
+        return
     fully_shard_model(job.model, list(job.plan.blocks), cfg, job.mesh, job.device, job.experts,
                       getattr(job.model, "tpcompile_expert_mesh", None))
 
@@ -289,7 +321,7 @@ def _bind_merge(job: Job) -> None:
 
 # The fixed order.
 TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp, apply_fp8)
-STEPS = (*TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_fsdp, apply_fp8_gather,
+STEPS = (apply_pp, *TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_fsdp, apply_fp8_gather,
          materialise, mark)
 
 
@@ -308,4 +340,5 @@ def compose(job: Job) -> nn.Module:
 
 
 def _dims(cfg: ParallelConfig) -> ParallelDims:
-    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp)
+    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, cp=cfg.cp,
+                        pp=cfg.pp)

@@ -136,6 +136,13 @@ class ParallelConfig:
     # context parallelism: each sequence split over cp ranks; FSDP2 shards over dp_shard x cp
     cp: int = 1
     sequence_parallel: bool = False  # the residual stream split by tokens over tp
+    # pipeline parallelism (runtime/pipeline.py): the outermost mesh dim; the schedule's
+    # name (None: interleaved 1F1B where it applies, else 1F1B), microbatches per step
+    # (None: 2 x pp) and stages per rank of the interleaved / V-shaped schedules
+    pp: int = 1
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_virtual: int = 2
     sharding_strategy: Sharding = Sharding.FULL_SHARD
     mixed_precision: MixedPrecisionPolicy | None = None
     cpu_offload: bool = False
@@ -162,6 +169,14 @@ class ParallelConfig:
         _check_int("tp", self.tp, minimum=1)
         _check_int("ep", self.ep, minimum=1)
         _check_int("cp", self.cp, minimum=1)
+        _check_int("pp", self.pp, minimum=1)
+        _check_int("pp_virtual", self.pp_virtual, minimum=1)
+        if self.pp_microbatches is not None:
+            _check_int("pp_microbatches", self.pp_microbatches, minimum=1)
+        if self.pp_schedule is not None:
+            from .plan.stages import schedule_spec  # the schedules' one table
+
+            schedule_spec(self.pp_schedule)
         _check_int("dp_shard", self.dp_shard, minimum=-1, forbid=0)
         _check_int("dp_replicate", self.dp_replicate, minimum=-1, forbid=0)
         _check_int("loading_horizon", self.loading_horizon, minimum=1)
@@ -203,9 +218,9 @@ class ParallelConfig:
         if world_size % self.tp:
             ok = [t for t in range(1, world_size + 1) if world_size % t == 0]
             raise TPError(f"world size {world_size} is not divisible by tp={self.tp}; tp values that work: {ok}")
-        if world_size % (self.tp * self.cp):
-            raise TPError(f"world size {world_size} is not divisible by tp={self.tp} x cp={self.cp}")
-        dp = world_size // (self.tp * self.cp)
+        if world_size % (self.tp * self.cp * self.pp):
+            raise TPError(f"world size {world_size} is not divisible by tp={self.tp} x cp={self.cp} x pp={self.pp}")
+        dp = world_size // (self.tp * self.cp * self.pp)
         shard, rep, strategy = self.dp_shard, self.dp_replicate, self.sharding_strategy
         if strategy is Sharding.NO_SHARD:
             if shard not in (1, -1):
@@ -217,10 +232,10 @@ class ParallelConfig:
             shard = _divide("dp_shard", dp, rep)
         if rep == -1:
             rep = _divide("dp_replicate", dp, shard)
-        if rep * shard * self.cp * self.tp != world_size:
-            raise TPError(f"dp_replicate={rep} x dp_shard={shard} x cp={self.cp} x tp={self.tp} = "
-                          f"{rep * shard * self.cp * self.tp} ranks, but the world has {world_size}; use -1 for "
-                          "one of the dp degrees")
+        if rep * shard * self.cp * self.tp * self.pp != world_size:
+            raise TPError(f"pp={self.pp} x dp_replicate={rep} x dp_shard={shard} x cp={self.cp} x tp={self.tp} = "
+                          f"{rep * shard * self.cp * self.tp * self.pp} ranks, but the world has {world_size}; use "
+                          "-1 for one of the dp degrees")
         carved = shard * self.cp  # the mesh's shard dim holds the CP ranks too
         if carved % self.ep:
             ok = [e for e in range(1, carved + 1) if carved % e == 0]
@@ -418,6 +433,9 @@ SMP_KEYS: dict[str, Rule] = {
                                      "TP rank: exact without active dropout", _int),
     "expert_parallel_degree": _to("ep", _int),
     "context_parallel_degree": _to("cp", _int),
+    "pipeline_parallel_degree": _to("pp", _int),
+    "pp_schedule": _to("pp_schedule", str),
+    "microbatches": _to("pp_microbatches", _int),
     "fsdp_cache_flush_warnings": NoEffect("SMP's warnings about CUDA cache flushes inside its FSDP; "
                                           "tpcompile adds no allocator logging", _bool),
     "allow_empty_shards": NoEffect("FSDP2 pads uneven shards and allows empty ones already", _bool),
@@ -469,6 +487,7 @@ ACCELERATE_KEYS: dict[str, Rule] = {
     "parallelism_config_dp_shard_size": _to("dp_shard", _int),
     "parallelism_config_tp_size": _to("tp", _int),
     "parallelism_config_cp_size": _to("cp", _int),
+    "parallelism_config_pp_size": _to("pp", _int),
     "parallelism_config_sp_size": Only(1, "accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism "
                                           "(attention heads all-to-all), not implemented; tpcompile's "
                                           "Megatron-style split is the sequence_parallel=True keyword"),

@@ -30,7 +30,7 @@ from ..config import ParallelConfig
 from ..errors import TPError
 from .shards import assign_tp_local
 
-__all__ = ["Materializer", "TensorRecord", "meta_tree", "records"]
+__all__ = ["Materializer", "TensorRecord", "keep_present", "meta_tree", "records"]
 
 
 @dataclass
@@ -45,6 +45,24 @@ class TensorRecord:
     dtype: torch.dtype
     aliases: list[str]
     value: torch.Tensor | None  # the real tensor before rewriting (rank 0's weights, real buffers)
+    seed_name: str | None = None  # the name its init is seeded by, when fqn is not the first name
+
+
+def keep_present(tensors: list[TensorRecord], model: nn.Module) -> list[TensorRecord]:
+    """The records of tensors ``model`` still holds (a pipeline stage keeps only its own),
+    each under its first name still present; the init seed keeps the original name, so a
+    tensor gets the same value whichever stage holds it."""
+    present = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    out = []
+    for rec in tensors:
+        names = [n for n in (rec.fqn, *rec.aliases) if n in present]
+        if not names:
+            continue
+        rec.seed_name = rec.seed_name or rec.fqn
+        rec.fqn, rec.aliases = names[0], names[1:]
+        out.append(rec)
+    return out
 
 
 def _meta_status(model: nn.Module) -> list[str]:
@@ -186,7 +204,7 @@ class Materializer:
                 _fill_sentinel(full)
                 store[rec.attr] = nn.Parameter(full, requires_grad=False) if rec.is_param else full
                 with torch.random.fork_rng(devices=[]), torch.no_grad():
-                    torch.manual_seed(_derived_seed(seed, rec.fqn))
+                    torch.manual_seed(_derived_seed(seed, rec.seed_name or rec.fqn))
                     if fallback:  # no HF init wrote it: the module's own reset_parameters
                         if hasattr(owner, "reset_parameters"):
                             owner.reset_parameters()

@@ -46,14 +46,26 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     cp: int = 1  # context parallelism: the mesh's dp_shard dim is dp_shard x cp, cp innermost
+    pp: int = 1  # pipeline parallelism: the outermost dim, one stage group per pp rank
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.dp_replicate, self.dp_shard * self.cp, self.tp)
 
     def build(self, device: str) -> DeviceMesh:
-        """The ``(dp_replicate, dp_shard, tp)`` mesh over the default process group."""
-        return init_device_mesh(device, self.shape, mesh_dim_names=MESH_DIMS)
+        """The ``(dp_replicate, dp_shard, tp)`` mesh over the default process group (with
+        pp > 1: this pipeline stage's slice of :meth:`build_pipeline`'s mesh)."""
+        return self.build_pipeline(device)[0]
+
+    def build_pipeline(self, device: str) -> tuple[DeviceMesh, DeviceMesh | None]:
+        """``(stage mesh, whole mesh)``: the whole mesh is ``(pp, dp_replicate, dp_shard,
+        tp)`` with pp outermost (a stage's ranks are consecutive, so TP stays inside a
+        node and the pipeline crosses nodes); without pp it is ``None`` and the stage mesh
+        the 3-D mesh itself."""
+        if self.pp == 1:
+            return init_device_mesh(device, self.shape, mesh_dim_names=MESH_DIMS), None
+        whole = init_device_mesh(device, (self.pp, *self.shape), mesh_dim_names=("pp", *MESH_DIMS))
+        return whole[MESH_DIMS], whole
 
     def expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The 4-D ``(dp_replicate, efsdp, ep, tp)`` view of ``mesh``: its ``dp_shard``
