@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 from dist import CaseResults, global_step, run_cases
+from hf_grads import hf_grads
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -70,17 +71,7 @@ def _hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every gradient of a PEFT model around a transformed one, in HF rows (collective)."""
     part = model.get_base_model()
     prefix = next(n for n, m in model.named_modules() if m is part) + "."
-    table, tp = part.tpcompile_table, part.tpcompile_mesh.size()
-    out = {}
-    for name, p in part.named_parameters():
-        if p.grad is None:
-            continue
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        tmap = table.tensors.get(name)
-        if tmap is not None and tmap.sharded:
-            full = tmap.to_hf(list(full.chunk(tp, dim=tmap.shard_dim)))
-        out[prefix + name] = full
-    return out
+    return hf_grads(part, part.tpcompile_mesh.size(), prefix)
 
 
 def _train(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import global_step, run_distributed
+from hf_grads import hf_grads
 from torch.distributed.tensor import DTensor
 
 import tpcompile
@@ -80,15 +81,7 @@ def _reference(family: str) -> dict:
 
 def _hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every gradient as the HF-layout tensor (collective: every rank calls)."""
-    table, tp = model.tpcompile_table, model.tpcompile_parallel.tp
-    out = {}
-    for name, p in model.named_parameters():
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        tmap = table.tensors.get(name)
-        if tmap is not None and tmap.sharded:  # the TP layout back to HF rows
-            full = tmap.to_hf(list(full.chunk(tp, dim=tmap.shard_dim)))
-        out[name] = full
-    return out
+    return hf_grads(model, model.tpcompile_parallel.tp)
 
 
 def _train_case(family: str, layout: dict) -> dict:

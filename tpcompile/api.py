@@ -313,6 +313,12 @@ def _check_pipeline_options(cfg: Any) -> None:
     unsupported = {"sequence_parallel": cfg.sequence_parallel, "cp > 1": cfg.cp > 1, "ep > 1": cfg.ep > 1,
                    "activation_offloading": cfg.activation_offloading,
                    "load_from_rank0 (fsdp_sync_module_states)": cfg.load_from_rank0}
+    if cfg.pp_schedule is not None:
+        from .plan.stages import schedule_spec
+
+        spec = schedule_spec(cfg.pp_schedule)
+        if spec.refused:
+            raise TPError(f"pp_schedule={spec.name!r} is not offered: {spec.refused}")
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise TPError(f"pp={cfg.pp} with {', '.join(bad)} is not supported yet: pipeline parallelism composes "

@@ -99,13 +99,29 @@ def apply_pp(job: Job) -> None:
     model = job.model
     run = split_model(model, job.stages, job.bounds, job.whole_mesh, job.twin)
     present = {n for n, _ in model.named_modules()}
-    job.plan = job.plan.renamed(lambda n: n if n in present else None, job.plan.model_class)
+    job.plan = _tied_under_present_names(job.plan, present).renamed(lambda n: n if n in present else None,
+                                                                   job.plan.model_class)
     if isinstance(job.pending, Materializer | CheckpointLoader):
         field_name = "tensors" if isinstance(job.pending, Materializer) else "buffers"
         setattr(job.pending, field_name, keep_present(getattr(job.pending, field_name), model))
     if job.cfg is not None and job.cfg.mixed_precision is not None:
         run.hidden_dtype = job.cfg.mixed_precision.param_dtype
     model.tpcompile_pipeline = job.pipeline = run
+
+
+def _tied_under_present_names(plan: Plan, present: set[str]) -> Plan:
+    """A tied parameter planned under a name whose module this stage dropped (GPT-2's
+    ``wte.weight`` on the last stage) is planned under its first name still here
+    (``lm_head.weight``): the same role and layout, so both copies hold the same shard."""
+    params = dict(plan.params)
+    for pp in plan.params.values():
+        if pp.module in present or not pp.tied_to:
+            continue
+        alias = next((a for a in pp.tied_to if a.rpartition(".")[0] in present), None)
+        if alias is not None:
+            params[alias] = replace(pp, fqn=alias, module=alias.rpartition(".")[0],
+                                    tied_to=[a for a in pp.tied_to if a != alias])
+    return replace(plan, params=params)
 
 
 def apply_tp(job: Job) -> None:

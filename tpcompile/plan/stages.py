@@ -36,15 +36,25 @@ class ScheduleSpec:
     torch_class: str
     style: str  # "single": one stage per rank; "loop" / "v": several
     fixed_virtual: int | None = None  # stages per rank the schedule requires
+    # why parallelize refuses it (None: it runs); the cost model still prices it
+    refused: str | None = None
+
+
+# the zero-bubble family splits backward: weight gradients come from autograd.grad, which
+# never runs the AccumulateGrad nodes FSDP2's reduce-scatter waits on; parallelize always
+# applies FSDP2 (one data-parallel rank included), and the gradients measured wrong
+_SPLIT_BACKWARD = ("its split backward computes weight gradients outside autograd's accumulation, which "
+                   "FSDP2 (applied by parallelize at every dp degree) does not see: the gradients came out "
+                   "wrong when measured. Use interleaved_1f1b (the default) or 1f1b")
 
 
 SCHEDULES = {s.name: s for s in (
     ScheduleSpec("gpipe", "ScheduleGPipe", "single", 1),
     ScheduleSpec("1f1b", "Schedule1F1B", "single", 1),
     ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B", "loop"),
-    ScheduleSpec("zero_bubble", "ScheduleInterleavedZeroBubble", "loop"),
-    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "v", 2),
-    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", 2),
+    ScheduleSpec("zero_bubble", "ScheduleInterleavedZeroBubble", "loop", refused=_SPLIT_BACKWARD),
+    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "v", 2, refused=_SPLIT_BACKWARD),
+    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", 2, refused=_SPLIT_BACKWARD),
 )}
 
 

@@ -290,7 +290,19 @@ def split_model(model: nn.Module, plan: StagePlan, bounds: Boundaries, mesh: Dev
         modules.update({n: model.get_submodule(n) for n in part})
         run.stages.append(StageModule(run, stage, modules))
     run.ties = _tie_groups(ties, mesh)
+    model.register_forward_pre_hook(lambda *_: _refuse_plain_forward(run))
     return run
+
+
+def _refuse_plain_forward(run: PipelineRun) -> None:
+    """A forward outside a stage (``model(...)``, ``generate()``, a Trainer's own step)
+    would run this rank's stages alone on stand-ins for the rest: refused."""
+    if run.current is None:
+        raise TPError(f"this model is pipelined (pp={run.plan.pp}): each rank holds only its stages, so "
+                      "model(...) and generate() cannot run on it. Train with "
+                      "loss = tpcompile.pipeline_step(model, batch) (a Trainer's training_step cannot drive "
+                      "the schedule); to generate or evaluate, model.save_pretrained(dir) and load it "
+                      "without pp (tpcompile.from_pretrained(dir, tp=...) or transformers' from_pretrained)")
 
 
 def _tied(model: nn.Module, plan: StagePlan) -> list[TiedParameter]:

@@ -1,0 +1,269 @@
+"""Pipeline parallelism over gloo: ``parallelize(pp=2, ...)`` + ``pipeline_step`` equal one process.
+
+Every case trains 3 AdamW steps (batch 4 x 16 tokens, 4 microbatches) with
+``tpcompile.pipeline_step`` and compares, against the unsplit model in one process, the
+three losses (rel 1e-5) and every gradient of the first step (atol 1e-5 + rtol 1e-3),
+each rank its own stages' parameters under their HF names.  World 2: pp=2 with gpipe,
+1f1b and interleaved 1F1B (2 stages per rank) for llama (eager and sdpa), qwen3, gemma2
+(alternating sliding windows, tied embeddings), mixtral (experts) and gpt2 (absolute
+positions, embeddings tied across the first and last stage); delayed init on meta equals
+the unsplit layout's; ``clip_grad_norm_`` gives the global norm.  World 4: pp2 x tp2,
+pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch) and with
+activation checkpointing.  Refusals: an encoder-decoder, the split-backward schedules,
+sequence parallelism, a plain forward / ``generate()``, a batch the microbatches do not
+divide, MoE load-balancing losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from dist import CaseResults, run_cases
+from hf_grads import hf_grads
+from transformers import AutoModelForCausalLM
+
+import tpcompile
+from tpcompile import TPError
+from tpcompile.tools.presets import tiny_config
+
+REL, GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-5, 1e-3
+FAMILIES = {"llama": "sdpa", "llama_eager": "eager", "qwen3": "sdpa", "gemma2": "eager", "mixtral": "sdpa",
+            "gpt2": "sdpa"}
+
+
+def _build(family: str, attn: str = "sdpa", layers: int = 4, meta: bool = False, **cfg_kw: Any) -> torch.nn.Module:
+    cfg = tiny_config(family.removesuffix("_eager"))
+    cfg.num_hidden_layers = layers
+    cfg._attn_implementation = attn
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = (list(cfg.layer_types) * layers)[:layers]
+    for key, value in cfg.to_dict().items():  # no dropout: the runs draw random numbers differently
+        if ("drop" in key or key.endswith("_pdrop")) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    for key, value in cfg_kw.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :5] = -100  # unequal token counts per microbatch: the loss weights must follow them
+    return {"input_ids": ids, "labels": labels}
+
+
+def _train(model: torch.nn.Module, tp: int | None) -> dict[str, Any]:
+    """3 AdamW steps through pipeline_step; the losses and the first step's gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(3):
+        losses.append(tpcompile.pipeline_step(model, _batch()).item())
+        if step == 0:
+            grads = hf_grads(model, tp) if tp is not None else {
+                n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads}
+
+
+def _compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    worst = {n: (g - want["grads"][n]).abs().max().item() - GRAD_RTOL * want["grads"][n].abs().max().item()
+             for n, g in got["grads"].items()}
+    return {"losses": got["losses"], "ref": want["losses"], "grad_excess": max(worst.values()),
+            "names": sorted(got["grads"]), "ref_names": sorted(want["grads"])}
+
+
+def _exact(rank: int, world: int, family: str, layout: dict) -> dict:
+    attn = FAMILIES[family]
+    model = tpcompile.parallelize(_build(family, attn), **layout)
+    got = _train(model, layout.get("tp", 1))
+    out = _compare(got, _train(_build(family, attn), None))
+    out["stages"] = [s.index for s in model.tpcompile_pipeline.stages]
+    return out
+
+
+def _meta(rank: int, world: int) -> dict:
+    """Delayed init: the pp=2 shards are the tensors the unsplit layout initialises."""
+    model = tpcompile.parallelize(_build("gpt2", meta=True), pp=2, seed=0, pp_schedule="1f1b")
+    ref = tpcompile.parallelize(_build("gpt2", meta=True), seed=0)  # dp_shard=2, pp=1
+    full = {n: getattr(t, "full_tensor", lambda t=t: t)() for n, t in ref.state_dict().items()}
+    mine = {n: getattr(t, "full_tensor", lambda t=t: t)() for n, t in model.state_dict().items()}
+    return {"err": max((v - full[n]).abs().max().item() for n, v in mine.items()), "n": len(mine),
+            "total": len(full)}
+
+
+def _clip(rank: int, world: int) -> dict:
+    model = tpcompile.parallelize(_build("gpt2"), pp=2, pp_schedule="1f1b")
+    tpcompile.pipeline_step(model, _batch())
+    norm = tpcompile.clip_grad_norm_(model, 0.5).item()
+    ref = _build("gpt2")
+    ref(**_batch()).loss.backward()
+    return {"norm": norm, "ref": torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()}
+
+
+def _refusals(rank: int, world: int) -> dict:
+    errors = {}
+    attempts = {
+        "encoder_decoder": lambda: tpcompile.parallelize(_t5(), pp=2),
+        "zero_bubble": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zero_bubble"),
+        "sequence_parallel": lambda: tpcompile.parallelize(_build("llama"), pp=2, sequence_parallel=True),
+        "router_loss": lambda: tpcompile.parallelize(_build("mixtral", output_router_logits=True), pp=2),
+        "too_few_blocks": lambda: tpcompile.parallelize(_build("llama", layers=2), pp=2,
+                                                        pp_schedule="interleaved_1f1b"),
+        "bad_schedule": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zigzag"),
+    }
+    model = tpcompile.parallelize(_build("llama"), pp=2, pp_microbatches=4)
+    attempts["forward"] = lambda: model(**_batch())
+    attempts["generate"] = lambda: model.generate(_batch()["input_ids"][:, :4], max_new_tokens=2)
+    attempts["batch"] = lambda: tpcompile.pipeline_step(model, {k: v[:3] for k, v in _batch().items()})
+    attempts["no_labels"] = lambda: tpcompile.pipeline_step(model, {"input_ids": _batch()["input_ids"]})
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            errors[name] = None
+        except TPError as err:
+            errors[name] = str(err)
+    return errors
+
+
+def _t5() -> torch.nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                               num_heads=4, decoder_start_token_id=0))
+
+
+def _reduce_scatters(rank: int, world: int, microbatches: int) -> dict:
+    """FSDP2's reduce-scatters in one step at pp2 x dp_shard2: once per unit, whatever
+    the number of microbatches."""
+    import torch.distributed as dist
+
+    model = tpcompile.parallelize(_build("llama"), pp=2, dp_shard=2, pp_schedule="1f1b",
+                                  pp_microbatches=microbatches)
+    tpcompile.pipeline_step(model, _batch())  # warm-up
+    calls = [0]
+    original = dist.reduce_scatter_single  # what FSDP2 issues
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        tpcompile.pipeline_step(model, _batch())
+    finally:
+        dist.reduce_scatter_single = original
+    return {"calls": calls[0], "stages": len(model.tpcompile_pipeline.stages)}
+
+
+WORLD2 = {f"{family}_interleaved": (_exact, family, {"pp": 2, "pp_microbatches": 4}) for family in FAMILIES}
+WORLD2.update({
+    "llama_gpipe": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "gpipe"}),
+    "llama_1f1b": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}),
+    "gpt2_1f1b": (_exact, "gpt2", {"pp": 2, "pp_microbatches": 2, "pp_schedule": "1f1b"}),
+})
+WORLD4 = {
+    "llama_pp2_tp2": (_exact, "llama", {"pp": 2, "tp": 2, "pp_microbatches": 4}),
+    "gpt2_pp2_tp2": (_exact, "gpt2", {"pp": 2, "tp": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}),
+    "llama_pp2_dp2": (_exact, "llama", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4}),
+    "mixtral_pp2_dp2_ac": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4,
+                                               "activation_checkpointing": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def world2() -> CaseResults:
+    cases: dict = dict(WORLD2)
+    cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,)})
+    return run_cases(2, cases, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4() -> CaseResults:
+    cases: dict = dict(WORLD4)
+    cases.update({"rs2": (_reduce_scatters, 2), "rs4": (_reduce_scatters, 4)})
+    return run_cases(4, cases, timeout=900)
+
+
+def _check(results: list[dict]) -> None:
+    for r in results:
+        for got, want in zip(r["losses"], r["ref"], strict=True):
+            assert abs(got - want) <= REL * abs(want), r
+        assert r["grad_excess"] <= GRAD_ATOL, r
+    # between them the ranks hold every parameter of the unsplit model
+    held = {n for r in results for n in r["names"]}
+    assert held == set(results[0]["ref_names"]), held ^ set(results[0]["ref_names"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(WORLD2))
+def test_pipeline_equals_one_process(world2: CaseResults, case: str) -> None:
+    _check(world2[case])
+    if "interleaved" in case:  # two stages per rank
+        assert [r["stages"] for r in world2[case]] == [[0, 2], [1, 3]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(WORLD4))
+def test_pipeline_composes_with_tp_and_fsdp2(world4: CaseResults, case: str) -> None:
+    _check(world4[case])
+
+
+@pytest.mark.slow
+def test_fsdp2_reduces_once_per_step_not_per_microbatch(world4: CaseResults) -> None:
+    for two, four in zip(world4["rs2"], world4["rs4"], strict=True):
+        assert two["calls"] == four["calls"] > 0, (two, four)
+
+
+@pytest.mark.slow
+def test_delayed_init_under_pp_equals_the_unsplit_layout(world2: CaseResults) -> None:
+    for r in world2["meta"]:
+        assert r["err"] == 0.0 and 0 < r["n"] < r["total"], r
+
+
+@pytest.mark.slow
+def test_clip_grad_norm_is_the_global_norm(world2: CaseResults) -> None:
+    for r in world2["clip"]:
+        assert abs(r["norm"] - r["ref"]) <= 1e-5 * r["ref"], r
+
+
+@pytest.mark.slow
+def test_what_a_pipeline_cannot_take_is_refused_by_name(world2: CaseResults) -> None:
+    for errors in world2["refusals"]:
+        wanted = {"encoder_decoder": "encoder", "zero_bubble": "interleaved_1f1b",
+                  "sequence_parallel": "sequence_parallel", "router_loss": "output_router_logits",
+                  "too_few_blocks": "blocks", "bad_schedule": "pp_schedule", "forward": "pipeline_step",
+                  "generate": "save_pretrained", "batch": "pp_microbatches", "no_labels": "labels"}
+        for name, text in wanted.items():
+            assert errors[name] is not None and text in errors[name], (name, errors[name])
+
+
+def test_pipeline_step_without_pp_is_forward_and_backward() -> None:
+    model, ref = _build("llama"), _build("llama")
+    loss = tpcompile.pipeline_step(model, _batch())
+    want = ref(**_batch()).loss
+    want.backward()
+    assert loss.item() == want.item() and not loss.requires_grad
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_config_keys_reach_the_pipeline_degrees() -> None:
+    from tpcompile.config import resolve_config
+
+    smp = resolve_config({"pipeline_parallel_degree": 2, "microbatches": 8, "pp_schedule": "1f1b",
+                          "tensor_parallel_degree": 2}, world_size=8)
+    assert (smp.pp, smp.pp_microbatches, smp.pp_schedule, smp.tp, smp.dp_shard) == (2, 8, "1f1b", 2, 2)
+    acc = resolve_config({"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_pp_size": 2}},
+                         world_size=4)
+    assert (acc.pp, acc.dp_shard) == (2, 2)
+    with pytest.raises(TPError, match="pp_schedule must be one of"):
+        resolve_config({"pp_schedule": "zigzag"}, world_size=2)
+    with pytest.raises(TPError, match="pp=3"):
+        resolve_config({"pipeline_parallel_degree": 3}, world_size=4)
