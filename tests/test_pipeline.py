@@ -267,3 +267,14 @@ def test_config_keys_reach_the_pipeline_degrees() -> None:
         resolve_config({"pp_schedule": "zigzag"}, world_size=2)
     with pytest.raises(TPError, match="pp=3"):
         resolve_config({"pipeline_parallel_degree": 3}, world_size=4)
+
+
+@pytest.mark.slow
+def test_verify_pp_passes_and_names_an_injected_fault() -> None:
+    from tpcompile.tools.verify import resolve_config, verify
+
+    config, task = resolve_config("llama")
+    good = verify(config, tp=1, pp=2, task=task, layers=4)
+    assert good.ok and good.pp == 2 and len(good.grads) > 10, good.to_dict()
+    bad = verify(config, tp=1, pp=2, task=task, layers=4, fault="model.layers.1.mlp.down_proj")
+    assert not bad.ok and "model.layers.1" in (bad.first_divergence() or ""), bad.to_dict()

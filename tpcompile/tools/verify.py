@@ -74,6 +74,7 @@ class VerifyReport:
     tp: int
     tol: float
     cp: int = 1  # context parallelism (verify --cp): tp x cp processes
+    pp: int = 1  # pipeline parallelism (verify --pp): tp x pp processes
     config: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     forward: dict[str, Check | None] = field(default_factory=dict)  # per module; None: not comparable
@@ -476,7 +477,7 @@ def _merge(results: list[dict], tp: int, tol: float, cp: int = 1) -> VerifyRepor
 
 def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: float = 1e-5,
            layers: int = 2, generate: bool = True, attn: str | None = None,
-           fault: str | None = None, sequence_parallel: bool = False, cp: int = 1) -> VerifyReport:
+           fault: str | None = None, sequence_parallel: bool = False, cp: int = 1, pp: int = 1) -> VerifyReport:
     """Check ``transform(tp=tp)`` of a shrunk copy of ``config``'s model on ``tp`` local
     CPU processes against the unsharded copy (with ``cp > 1``: ``parallelize(tp=tp,
     cp=cp)`` on ``tp x cp`` processes, :mod:`tpcompile.tools.verify_context`).
@@ -495,6 +496,9 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
             regions are compared on this rank's tokens.
         cp: context parallelism: each sequence split over ``cp`` ranks; modules are
             compared on this rank's positions, outputs put back in order.
+        pp: pipeline parallelism: ``parallelize(tp, pp)`` on ``tp x pp`` processes, one
+            ``pipeline_step``; the loss and every gradient compared
+            (:mod:`tpcompile.tools.verify_pipeline`).
 
     Example:
         >>> report = verify(presets.build_config("llama"), tp=2)    # doctest: +SKIP
@@ -505,16 +509,23 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
     opts = {"layers": layers, "generate": generate, "attn": attn, "fault": fault,
             "sequence_parallel": sequence_parallel}
     worker: Callable[..., dict] = _worker
+    if cp > 1 and pp > 1:
+        raise TPError("verify checks one of --cp and --pp at a time")
     if cp > 1:
         from .verify_context import cp_worker
 
         worker, opts = cp_worker, {**opts, "tp": tp, "cp": cp}
+    if pp > 1:
+        from .verify_pipeline import pp_worker
+
+        worker, opts = pp_worker, {**opts, "tp": tp, "pp": pp}
     try:
-        results = spawn_local(worker, tp * cp, config, task, opts)
+        results = spawn_local(worker, tp * cp * pp, config, task, opts)
     except WorkerFailed as exc:
-        report = VerifyReport(model_class=type(config).__name__, tp=tp, tol=tol, cp=cp, error=str(exc))
+        report = VerifyReport(model_class=type(config).__name__, tp=tp, tol=tol, cp=cp, pp=pp, error=str(exc))
     else:
         report = _merge(results, tp, tol, cp)
+        report.pp = pp
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -531,7 +542,8 @@ def _cell(c: Check | None, tol: float) -> str:
 def render_report(report: VerifyReport) -> str:
     """The report as text: one row per module (worst forward / gradient difference over
     ranks), then model outputs, generate and a summary line."""
-    where = f"tp={report.tp}" + (f" x cp={report.cp}" if report.cp > 1 else "")
+    where = f"tp={report.tp}" + (f" x cp={report.cp}" if report.cp > 1 else "") + \
+        (f" x pp={report.pp}" if report.pp > 1 else "")
     head = f"verify {report.model_class} at {where} (shrunk copy; tol {report.tol:g}, abs or rel)"
     if report.error:
         return f"{head}\n\nFAILED: {report.error}"
