@@ -246,7 +246,8 @@ def test_cli_surface_frozen() -> None:
     assert set(subs) == {"dump-plan", "demo", "translate", "verify"}
     flags = {s for a in subs["dump-plan"]._actions for s in a.option_strings}
     assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table", "--dp-shard",
-                     "--batch", "--seq", "--fp8", "--cp"}
+                     "--batch", "--seq", "--fp8", "--cp", "--pp", "--pp-schedule", "--pp-microbatches",
+                     "--pp-virtual"}
     tr_flags = {s for a in subs["translate"]._actions for s in a.option_strings}
     assert tr_flags == {"-h", "--help", "--dtype", "--max-shard-size", "--overwrite", "--quiet"}
     positionals = [a.dest for a in subs["dump-plan"]._actions if not a.option_strings]

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {
     "tpcompile": [
         "ModulePlan", "ParallelConfig", "ParamPlan", "Plan", "Role", "TPError", "TranslationTable",
-        "data_parallel_rank", "from_pretrained", "hf_state_dict", "load_hf_weights", "parallelize", "plan_model",
-        "save_pretrained", "transform",
+        "clip_grad_norm_", "data_parallel_rank", "from_pretrained", "hf_state_dict", "load_hf_weights",
+        "parallelize", "pipeline_step", "plan_model", "save_pretrained", "transform",
     ],
     "tpcompile.capture": ["Capture", "LayerStacks", "capture", "example_inputs", "layer_stacks",
                           "structural_signature"],

@@ -173,10 +173,9 @@ class ParallelConfig:
         _check_int("pp_virtual", self.pp_virtual, minimum=1)
         if self.pp_microbatches is not None:
             _check_int("pp_microbatches", self.pp_microbatches, minimum=1)
-        if self.pp_schedule is not None:
-            from .plan.stages import schedule_spec  # the schedules' one table
-
-            schedule_spec(self.pp_schedule)
+        if self.pp_schedule is not None and not isinstance(self.pp_schedule, str):
+            # the names are checked against the schedules' table (plan/stages.py) by parallelize
+            raise TPError(f"pp_schedule must be a schedule's name, got {self.pp_schedule!r}")
         _check_int("dp_shard", self.dp_shard, minimum=-1, forbid=0)
         _check_int("dp_replicate", self.dp_replicate, minimum=-1, forbid=0)
         _check_int("loading_horizon", self.loading_horizon, minimum=1)

@@ -33,6 +33,7 @@ from transformers import PreTrainedConfig
 from ..errors import TPError
 from ..plan import Plan
 from .cost_render import human_bytes
+from .cost_render import table as _table
 
 __all__ = ["build_parser", "main"]
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--fp8", action="store_true",
                       help="price FP8 projections (fp8=True): their amax all-reduces and, with --dp-shard, "
                            "FSDP2's FP8 all-gathers (1 byte per element) and their scale all-reduce")
+    _add_pipeline_flags(dump)
     dump.set_defaults(handler=_cmd_dump_plan)
 
     tr = sub.add_parser(
@@ -117,6 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_cmd_demo)
     _add_verify(sub)
     return parser
+
+
+def _add_pipeline_flags(dump: argparse.ArgumentParser) -> None:
+    """dump-plan's pipeline flags: parallelize's ``pp``, ``pp_schedule``, ``pp_microbatches``,
+    ``pp_virtual``, with the same defaults."""
+    dump.add_argument("--pp", type=_positive_int, default=1,
+                      help="price pipeline parallelism over this many stages' ranks (parallelize(pp=...)): "
+                           "a stage table, p2p bytes, bubble, memory per pp rank")
+    # a string, not argparse choices: a bad name is the same TPError parallelize raises
+    dump.add_argument("--pp-schedule", metavar="NAME",
+                      help="gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv or dualpipev (default: "
+                           "interleaved_1f1b when the blocks and microbatches allow it, else 1f1b)")
+    dump.add_argument("--pp-microbatches", type=_positive_int, help="microbatches per step (default 2 x pp)")
+    dump.add_argument("--pp-virtual", type=_positive_int,
+                      help="stages per rank of the interleaved / zero-bubble schedules (default 2)")
 
 
 def _add_verify(sub: Any) -> None:
@@ -217,6 +234,7 @@ def _cmd_dump_plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
+        _check_pipeline_flags(args)  # before the model is built: a bad flag fails fast
         model = _build_model(args)
         t_built = time.perf_counter()
         plan = plan_model(model, args.tp)
@@ -238,16 +256,55 @@ def _cmd_dump_plan(args: argparse.Namespace) -> int:
     try:  # what one training step costs per rank (collectives as executed, memory)
         cost = estimate_cost(model, plan, batch=args.batch, seq=args.seq, dp_shard=args.dp_shard, fp8=args.fp8,
                              cp=args.cp)
+        pipe = _estimate_pipeline(model, plan, args)
     except TPError as exc:
         return _fail(str(exc))
     if args.format == "json":
-        print(json.dumps({**plan.to_dict(), "cost": cost}, indent=2))
+        extra = {"pipeline": pipe} if pipe is not None else {}
+        print(json.dumps({**plan.to_dict(), "cost": cost, **extra}, indent=2))
         return _EXIT_OK
     timing = {"build_s": t_built - t0, "plan_s": t_planned - t_built}
     dtypes = {name: p.dtype.itemsize for name, p in model.named_parameters(remove_duplicate=False)}
     text = _render_table(plan, dtypes, timing, start=t0, cost=cost)
+    if pipe is not None:
+        from .cost_pipeline import render_pipeline
+
+        text += "\n\n" + "\n".join(render_pipeline(pipe))
     _write(text)
     return _EXIT_OK
+
+
+def _check_pipeline_flags(args: argparse.Namespace) -> None:
+    """The pipeline flags name a pipeline ``parallelize`` would build."""
+    given = [f for f, v in (("--pp-schedule", args.pp_schedule), ("--pp-microbatches", args.pp_microbatches),
+                            ("--pp-virtual", args.pp_virtual)) if v is not None]
+    if args.pp == 1:
+        if given:
+            raise _UsageError(f"{', '.join(given)}: pipeline options need --pp P (P >= 2) as well")
+        return
+    if args.table:
+        raise _UsageError("--table prints the HF ⇄ per-rank translation table; drop --pp or --table")
+    if args.cp > 1:  # parallelize refuses it: pipeline stages do not split sequences yet
+        raise _UsageError(f"pp={args.pp} with cp > 1 is not supported yet: pipeline parallelism composes with tp, "
+                          "FSDP2 / HSDP, activation checkpointing and FP8; drop --cp")
+    if args.pp_schedule is not None:
+        from ..plan.stages import schedule_spec
+
+        try:
+            schedule_spec(args.pp_schedule)
+        except TPError as exc:
+            raise _UsageError(f"--pp-schedule: {exc}") from None
+
+
+def _estimate_pipeline(model: nn.Module, plan: Plan, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The pipeline section (``--pp > 1``), or None."""
+    if args.pp == 1:
+        return None
+    from .cost_pipeline import estimate_pipeline
+
+    return estimate_pipeline(model, plan, pp=args.pp, schedule=args.pp_schedule, microbatches=args.pp_microbatches,
+                             virtual=args.pp_virtual or 2, batch=args.batch, seq=args.seq,
+                             dp_shard=args.dp_shard, fp8=args.fp8)
 
 
 def _write(text: str) -> None:
@@ -338,17 +395,6 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Left-aligned columns, except the last (bytes), right-aligned."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        out = [c.ljust(w) for c, w in zip(cells[:-1], widths[:-1], strict=True)]
-        return "  ".join([*out, cells[-1].rjust(widths[-1])]).rstrip()
-
-    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
 def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], int]:

@@ -315,7 +315,12 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
     inside that attention (the gathered keys and values, queries, outputs, log-sum-exp,
     any mask).
 
-    Returns ``{"bytes", "saved_for_backward", "logits", "loss", "attention", "method"}``, or
+    ``parts`` splits ``saved_for_backward`` by where it was saved: ``blocks`` maps each traced
+    representative block to what one block of its structure saves, ``pre`` / ``post`` what
+    is saved outside the blocks before the first and after the last (a pipeline's first and
+    last stage, :mod:`~tpcompile.tools.cost_pipeline`).
+
+    Returns ``{"bytes", "saved_for_backward", "logits", "loss", "attention", "parts", "method"}``, or
     ``{"bytes": None, "error"}`` when the model does not run on fake tensors.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -348,11 +353,13 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
         mlist = shadow.get_submodule(stack)
         mlist._modules = dict(list(mlist._modules.items())[: max(reps) + 1])
         weight.update({f"{stack}.{i}": reps.count(i) for i in set(reps)})
-    current: list[str] = [""]
+    # outside the blocks: before the first ("<pre>") or after one ("<post>"), so a pipeline
+    # stage can be given its own part (cost_pipeline.py)
+    current: list[str] = ["<pre>"]
     for fqn in weight:
         block = shadow.get_submodule(fqn)
         block.register_forward_pre_hook(lambda _m, _a, f=fqn: current.__setitem__(0, f))
-        block.register_forward_hook(lambda *_: current.__setitem__(0, ""))
+        block.register_forward_hook(lambda *_: current.__setitem__(0, "<post>"))
     owned = {p.untyped_storage()._cdata for p in shadow.parameters()}
     saved: dict[int, tuple[str, int]] = {}
     in_attention: set[int] = set()  # storages saved inside CP's attention
@@ -399,8 +406,14 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
         loss = tokens * (vocab * 4 + 8 + 2)  # float32 softmax buffer, int64 ids, two masks
     else:
         loss = tokens * full_vocab * 4  # cross_entropy's float32 log-softmax
+    parts = {"pre": 0, "post": 0, "blocks": dict.fromkeys(weight, 0)}  # blocks: one of each structure
+    for block, n in saved.values():
+        if block in weight:
+            parts["blocks"][block] += n
+        else:
+            parts[block[1:-1]] += n
     return {"bytes": body + held + loss, "saved_for_backward": body, "logits": held, "loss": loss,
-            "attention": attention,
+            "attention": attention, "parts": parts,
             "method": "saved-for-backward tensors of a fake-tensor forward at local shapes "
                       "(repeated blocks once) + gathered logits + loss buffer"}
 

@@ -1,15 +1,16 @@
 """Rendering the cost model's numbers for ``dump-plan``'s table form.
 
 :func:`~tpcompile.tools.cost.estimate_cost` computes; this module only formats: the
-per-module collectives section, the per-step summary, byte sizes.
+per-module collectives section, the per-step summary, byte sizes, aligned tables.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["human_bytes", "render_modules", "render_summary"]
+__all__ = ["human_bytes", "render_modules", "render_summary", "table"]
 
 
 def human_bytes(n: float) -> str:
@@ -19,6 +20,17 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, except the last (bytes), right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.ljust(w) for c, w in zip(cells[:-1], widths[:-1], strict=True)]
+        return "  ".join([*out, cells[-1].rjust(widths[-1])]).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
 def _ops_text(counts: dict[str, int]) -> str:
