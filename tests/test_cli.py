@@ -256,7 +256,7 @@ def test_cli_surface_frozen() -> None:
     assert demo_flags == {"-h", "--help", "--tp", "--steps"}
     verify_flags = {s for a in subs["verify"]._actions for s in a.option_strings}
     assert verify_flags == {"-h", "--help", "--tp", "--tol", "--layers", "--no-generate", "--format",
-                            "--attn", "--sequence-parallel", "--inject-fault", "--cp"}
+                            "--attn", "--sequence-parallel", "--inject-fault", "--cp", "--pp"}
     assert [a.dest for a in subs["verify"]._actions if not a.option_strings] == ["model"]
 
 

@@ -160,6 +160,10 @@ def _add_verify(sub: Any) -> None:
     ver.add_argument("--cp", type=_positive_int, default=1,
                      help="context parallelism: parallelize(tp=--tp, cp=CP) on tp x cp processes, each "
                      "sequence split over cp ranks, modules compared on each rank's positions (default 1)")
+    ver.add_argument("--pp", type=_positive_int, default=1,
+                     help="pipeline parallelism: parallelize(tp=--tp, pp=PP) on tp x pp processes, one "
+                     "pipeline_step; the loss, every gradient and every module's output (microbatches "
+                     "joined) compared (default 1)")
     # Test hook (see the README): perturb one module's output on one rank after transform.
     ver.add_argument("--inject-fault", metavar="MODULE", help=argparse.SUPPRESS)
     ver.set_defaults(handler=_cmd_verify)
@@ -462,7 +466,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     report = verify(config, tp=args.tp, task=task, tol=args.tol, layers=args.layers,
                     generate=not args.no_generate, attn=args.attn, fault=args.inject_fault,
-                    sequence_parallel=args.sequence_parallel, cp=args.cp)
+                    sequence_parallel=args.sequence_parallel, cp=args.cp, pp=args.pp)
     _write(json.dumps(report.to_dict(), indent=2) if args.format == "json" else render_report(report))
     return _EXIT_OK if report.ok else _EXIT_MISMATCH
 
