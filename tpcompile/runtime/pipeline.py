@@ -269,7 +269,11 @@ def split_model(model: nn.Module, plan: StagePlan, bounds: Boundaries, mesh: Dev
     last = len(plan.stages) - 1
     mine = plan.stages_of_rank(pp_rank)
     owner_of = {**{n: 0 for n in plan.pre}, **{n: last for n in plan.post}}
-    for fqn, owner in owner_of.items():
+    # a module inside another listed one goes (or stands in) with it: BERT's head owns a
+    # bias and holds the modules of its transform
+    outermost = {f: o for f, o in owner_of.items()
+                 if not any(f.startswith(other + ".") for other in owner_of if other != f)}
+    for fqn, owner in outermost.items():
         parent, attr = _detach_from_parent(model, fqn)
         _mix_parent(parent)
         parent._pp_run = run

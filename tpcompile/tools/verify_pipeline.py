@@ -52,12 +52,10 @@ def pp_worker(rank: int, world: int, config: PreTrainedConfig, task: str | None,
                               "warnings": [], "forward": {},
                               "generate": {"status": "skipped: a pipelined model refuses generate()"}}
     size = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
-    try:
-        model = parallelize(model, tp=tp, pp=pp, pp_schedule="1f1b", pp_microbatches=max(size, pp) if
-                            size % pp == 0 else pp)
-    except Exception as exc:  # reported, not raised: the user wants to know why
-        result["error"] = f"parallelize failed: {type(exc).__name__}: {exc}"
-        return result
+    # a failure is raised, not returned: a rank that fails inside parallelize leaves the
+    # others waiting in its collectives, and only a raise makes the launcher stop them
+    model = parallelize(model, tp=tp, pp=pp, pp_schedule="1f1b", pp_microbatches=max(size, pp) if
+                        size % pp == 0 else pp)
     fault = opts.get("fault")
     if fault and fault in dict(model.named_modules()):  # on the stage that holds it, one TP rank
         _inject_fault(model, fault, model.tpcompile_mesh["tp"].get_local_rank(), tp)
@@ -73,9 +71,6 @@ def pp_worker(rank: int, world: int, config: PreTrainedConfig, task: str | None,
         loss = pipeline_step(model, batch)
         want = ref(**batch).loss
         want.backward()
-    except Exception as exc:
-        result["error"] = f"pipeline_step failed: {type(exc).__name__}: {exc}"
-        return result
     finally:
         for r in recorders:
             r.remove()
