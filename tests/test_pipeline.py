@@ -10,8 +10,8 @@ positions, embeddings tied across the first and last stage); delayed init on met
 the unsplit layout's; ``clip_grad_norm_`` gives the global norm.  World 4: pp2 x tp2,
 pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch) and with
 activation checkpointing.  Refusals: an encoder-decoder, the split-backward schedules,
-sequence parallelism, a plain forward / ``generate()``, a batch the microbatches do not
-divide, MoE load-balancing losses.
+sequence parallelism, a plain forward / ``generate()`` / the HF Trainer's own step, a
+batch the microbatches do not divide, MoE load-balancing losses.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def _refusals(rank: int, world: int) -> dict:
     attempts["generate"] = lambda: model.generate(_batch()["input_ids"][:, :4], max_new_tokens=2)
     attempts["batch"] = lambda: tpcompile.pipeline_step(model, {k: v[:3] for k, v in _batch().items()})
     attempts["no_labels"] = lambda: tpcompile.pipeline_step(model, {"input_ids": _batch()["input_ids"]})
+    attempts["trainer"] = lambda: _trainer(model).train()
     for name, attempt in attempts.items():
         try:
             attempt()
@@ -130,6 +131,18 @@ def _refusals(rank: int, world: int) -> dict:
         except TPError as err:
             errors[name] = str(err)
     return errors
+
+
+def _trainer(model: torch.nn.Module) -> Any:
+    """A plain HF Trainer on a pipelined model: its training_step calls model(**inputs)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{"input_ids": ids, "labels": ids} for ids in _batch()["input_ids"]]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=1,
+                             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    return Trainer(model=model, args=args, train_dataset=rows)
 
 
 def _t5() -> torch.nn.Module:
@@ -239,7 +252,8 @@ def test_what_a_pipeline_cannot_take_is_refused_by_name(world2: CaseResults) -> 
         wanted = {"encoder_decoder": "encoder", "zero_bubble": "interleaved_1f1b",
                   "sequence_parallel": "sequence_parallel", "router_loss": "output_router_logits",
                   "too_few_blocks": "blocks", "bad_schedule": "pp_schedule", "forward": "pipeline_step",
-                  "generate": "save_pretrained", "batch": "pp_microbatches", "no_labels": "labels"}
+                  "generate": "save_pretrained", "batch": "pp_microbatches", "no_labels": "labels",
+                  "trainer": "pipeline_step"}
         for name, text in wanted.items():
             assert errors[name] is not None and text in errors[name], (name, errors[name])
 
