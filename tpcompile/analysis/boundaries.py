@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import TPError
@@ -143,6 +144,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
     order: list[str] = []
     calls: dict[str, tuple[tuple, dict, Any]] = {}
     first_block: list[int] = []
+    reads = _Reads()
     handles = []
     for name, mod in owners.items():
         handles.append(mod.register_forward_pre_hook(lambda *_, _n=name: order.append(_n)))
@@ -155,6 +157,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, _n: str = name) -> None:
             calls[_n] = (args, kwargs, out)
             order.append(f"<block {_n}>")
+            reads.watch(out)
 
         block = twin.get_submodule(name)
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
@@ -162,7 +165,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
     with mode:
         fake_inputs = tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), dict(inputs))
     try:
-        with mode, _as_if_exporting():
+        with mode, _as_if_exporting(), reads:
             twin(**fake_inputs)
     finally:
         for h in handles:
@@ -186,7 +189,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
     for name in blocks[1:]:
         a, k, _ = calls[name]
         _side_inputs(a, k, slot, [name])
-    returns_tuple, rest = _block_output(out, hidden, blocks[0])
+    returns_tuple, rest = _block_output(out, blocks[0], reads.seen)
     return Boundaries(stack=stack, blocks=list(blocks), pre=pre, post=post, hidden_arg=slot,
                       hidden_shape=tuple(hidden.shape), hidden_dtype=hidden.dtype, returns_tuple=returns_tuple,
                       rest=rest, side_inputs=side)
@@ -206,12 +209,38 @@ def _side_inputs(args: tuple, kwargs: dict, slot: int | str, blocks: list[str]) 
     return sorted(named)
 
 
-def _block_output(out: Any, hidden: torch.Tensor, block: str) -> tuple[bool, tuple[Any, ...]]:
+def _block_output(out: Any, block: str, read: set[int]) -> tuple[bool, tuple[Any, ...]]:
+    """Whether the block returns a tuple, and what a pass-through returns after the
+    hidden state: its other entries, a tensor among them as ``None`` where no op read it
+    (BLOOM's attention weights, only collected with ``output_attentions``)."""
     if isinstance(out, torch.Tensor):
         return False, ()
     if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
         rest = tuple(out[1:])
-        if not any(isinstance(t, torch.Tensor) for t in tree_flatten(rest)[0]):
-            return True, rest
-    raise TPError(f"pp > 1: block {block} returns {type(out).__name__} with more tensors than its hidden state; "
-                  "a stage boundary passes one tensor. Train this model without pp")
+        leaves = [t for t in tree_flatten(rest)[0] if isinstance(t, torch.Tensor)]
+        if not any(id(t) in read for t in leaves):
+            return True, tuple(tree_map_only(torch.Tensor, lambda _: None, rest))
+    raise TPError(f"pp > 1: block {block} returns {type(out).__name__} with tensors besides its hidden state that "
+                  "later code reads; a stage boundary passes one tensor. Train this model without pp")
+
+
+class _Reads(TorchDispatchMode):
+    """Which watched tensors an op reads after they were watched: a block's extra outputs,
+    watched from the moment the block returns, need not cross a stage boundary when no
+    later op reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: list[torch.Tensor] = []  # held, so their ids stay theirs
+        self.seen: set[int] = set()
+
+    def watch(self, out: Any) -> None:
+        if isinstance(out, tuple | list):
+            self.watched += [t for t in tree_flatten(tuple(out[1:]))[0] if isinstance(t, torch.Tensor)]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        ids = {id(t) for t in self.watched}
+        for t in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(t, torch.Tensor) and id(t) in ids:
+                self.seen.add(id(t))
+        return func(*args, **(kwargs or {}))
