@@ -7,7 +7,8 @@ each rank its own stages' parameters under their HF names.  World 2: pp=2 with g
 1f1b and interleaved 1F1B (2 stages per rank) for llama (eager and sdpa), qwen3, gemma2
 (alternating sliding windows, tied embeddings), mixtral (experts) and gpt2 (absolute
 positions, embeddings tied across the first and last stage); delayed init on meta equals
-the unsplit layout's; ``clip_grad_norm_`` gives the global norm.  World 4: pp2 x tp2,
+the unsplit layout's; ``clip_grad_norm_`` gives the global norm; each stage's activations per
+microbatch as run are within 10% of ``dump-plan --pp``'s estimate.  World 4: pp2 x tp2,
 pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch) and with
 activation checkpointing.  Refusals: an encoder-decoder, the split-backward schedules,
 sequence parallelism, a plain forward / ``generate()`` / the HF Trainer's own step, a
@@ -107,6 +108,45 @@ def _clip(rank: int, world: int) -> dict:
     return {"norm": norm, "ref": torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()}
 
 
+def _stage_activations(rank: int, world: int) -> dict:
+    """Bytes each stage keeps for backward per microbatch, as run (autograd's saved tensors,
+    each storage once and sized after the forward, parameters excluded, plus the output a
+    non-last stage holds until its backward) and as ``dump-plan --pp`` prices them."""
+    from tpcompile.tools.cost_pipeline import estimate_pipeline
+
+    model = tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="1f1b", pp_microbatches=4)
+    ran: dict[int, list[int]] = {}
+    for sm in model.tpcompile_pipeline.stages:
+        sm.forward = _counting_forward(sm, ran)
+    tpcompile.pipeline_step(model, _batch())
+    with torch.device("meta"):
+        meta = _build("llama")
+    est = estimate_pipeline(meta, tpcompile.plan_model(meta, 1), pp=2, schedule="1f1b", microbatches=4, batch=4,
+                            seq=16)
+    return {"ran": ran, "estimated": {s["index"]: s["activation_bytes_per_microbatch"] for s in est["stages"]}}
+
+
+def _counting_forward(sm: torch.nn.Module, ran: dict[int, list[int]]) -> Any:
+    forward = sm.forward
+
+    def counted(x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        saved: dict[int, Any] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+                s = getattr(t, "_local_tensor", t).untyped_storage()
+                saved[s.data_ptr()] = s
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward(x, mb)
+        kept = 0 if sm.last else out.numel() * out.element_size()
+        ran.setdefault(sm.index, []).append(sum(s.nbytes() for s in saved.values()) + kept)
+        return out
+
+    return counted
+
+
 def _refusals(rank: int, world: int) -> dict:
     errors = {}
     attempts = {
@@ -193,7 +233,7 @@ WORLD4 = {
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
     cases: dict = dict(WORLD2)
-    cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,)})
+    cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,), "memory": (_stage_activations,)})
     return run_cases(2, cases, timeout=900)
 
 
@@ -238,6 +278,14 @@ def test_fsdp2_reduces_once_per_step_not_per_microbatch(world4: CaseResults) -> 
 def test_delayed_init_under_pp_equals_the_unsplit_layout(world2: CaseResults) -> None:
     for r in world2["meta"]:
         assert r["err"] == 0.0 and 0 < r["n"] < r["total"], r
+
+
+@pytest.mark.slow
+def test_stage_activations_are_priced_within_10_percent(world2: CaseResults) -> None:
+    for r in world2["memory"]:
+        for stage, sizes in r["ran"].items():
+            assert len(set(sizes)) == 1 and len(sizes) == 4, r  # every microbatch the same
+            assert abs(r["estimated"][stage] - sizes[0]) <= 0.10 * sizes[0], r
 
 
 @pytest.mark.slow
