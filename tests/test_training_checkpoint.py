@@ -87,7 +87,7 @@ def _world4(rank: int, world: int, root: str) -> dict:
     # async-save mirrors are found by layout, not id(mesh) (a dead mesh's id can be reused)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tpcompile.checkpoint.training import _mesh_key
+    from tpcompile.checkpoint.chunks import mesh_key as _mesh_key
 
     names = ("dp_replicate", "dp_shard", "tp")
     a, b = (init_device_mesh("cpu", s, mesh_dim_names=names) for s in ((1, 2, 2), (1, 1, 4)))

@@ -1,11 +1,12 @@
 """Hugging Face format in and out of a transformed model, one tensor at a time.
 
 * :func:`hf_state_dict` — the untransformed model's ``state_dict()`` (same keys, shapes,
-  dtypes, values), gathered tensor by tensor onto rank 0;
+  dtypes, values), gathered tensor by tensor onto rank 0 (not of a pipelined model);
 * :func:`save_pretrained` — an HF directory (safetensors shards + index + config +
   generation config) that ``transformers.AutoModel*.from_pretrained`` loads without
   tpcompile; nothing is gathered: rank 0 writes each header (known from the translation
-  table before any data exists) and every TP rank writes the HF rows it owns;
+  table before any data exists) and every TP rank writes the HF rows it owns (with
+  pipeline parallelism, every stage its own tensors: :mod:`.pipelined`);
 * :func:`load_hf_weights` — each rank reads only its own rows of each tensor from an
   HF directory (``pread``, no memory map), so a checkpoint loads at any ``tp`` without
   any rank holding the model;
@@ -41,7 +42,17 @@ from ..runtime.shards import (
     world,
 )
 from .atomic import PARTIAL_RE, distributed_atomic_dir
-from .parallel_write import Item, is_writer, write_files
+from .parallel_write import Item, entry_of, is_writer, write_files
+from .pipelined import (
+    Entry,
+    StageKeys,
+    gather_entries,
+    merged_plan,
+    pipeline_of,
+    stage_keys,
+    stored_names,
+    whole_table,
+)
 from .safetensors_io import SliceReader
 
 __all__ = ["FULL_FORMAT", "file_names", "hf_state_dict", "iter_hf_tensors", "load_hf_weights", "nbytes",
@@ -105,6 +116,10 @@ def iter_hf_tensors(model: nn.Module, keys: list[str] | None = None, *, rank0_on
 
     Every rank must iterate to the end (each step is a collective).
     """
+    if pipeline_of(model) is not None:  # rank 0 would get its own stages' tensors only
+        raise TPError("hf_state_dict / iter_hf_tensors gather onto rank 0, which holds only its pipeline "
+                      "stages' tensors: save a pipelined model with model.save_pretrained(dir) (every stage "
+                      "writes its own) and read that directory, or load a checkpoint at pp=1")
     table = table_of(model)
     ctx = tp_context(model)
     keys = table.saved_keys() if keys is None else keys
@@ -190,13 +205,6 @@ def nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     return n
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TPError(f"unknown dtype {name!r}")
-    return dtype
-
-
 # An extra file written with the weights: (file name, [(key, HF layout or None, tensor)]).
 ExtraFile = tuple[str, list[Item]]
 
@@ -212,38 +220,52 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, translate_o
     ``False`` writes tpcompile's full format: the same tensors plus ``tpcompile.json``
     (plan and translation table), restorable at any ``tp``.  No tensor is gathered:
     every TP rank writes the HF rows it holds straight into the files (a filesystem all
-    ranks see is needed).  The directory appears atomically: an interrupted save leaves
-    any previous checkpoint untouched.
+    ranks see is needed); a pipelined model's stages each write their own tensors into
+    the files of the unsplit model.  The directory appears atomically: an interrupted
+    save leaves any previous checkpoint untouched.
 
     Example:
         >>> tpcompile.save_pretrained(model, "out/final")                # doctest: +SKIP
         >>> AutoModelForCausalLM.from_pretrained("out/final")  # plain transformers
     """
     table = table_of(model)
-    keys = table.saved_keys()
-    sizes = [nbytes(dtype or _dtype(table.tensors[k].dtype), table.tensors[k].shape) for k in keys]
-    groups = split_by_size(keys, sizes, parse_size(max_shard_size))
-    names = file_names(len(groups))
-    files = [(name, [(k, table.tensors[k], lookup(model, k)[2]) for k in group])
-             for name, group in zip(names, groups, strict=True)]
+    keys = stage_keys(model, table)  # with pp: each stage writes its own tensors, once
+    headers, files = _weight_files(model, table, keys, dtype, parse_size(max_shard_size))
+    extra = []
+    for name, items in extra_files:
+        header = gather_entries(model, [entry_of(i) for i in items])
+        if header:  # a file no stage has entries for is not written
+            headers[name] = header
+            extra.append((name, items))
+    plan = merged_plan(model) if not translate_on_save or extra_meta else None
     ctx = tp_context(model)
     writer = is_writer(model)
     out_dir = Path(out_dir)
     with distributed_atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        total = write_files(tmp, files, ctx, writer, dtype)
-        write_files(tmp, list(extra_files), ctx, writer)
+        total = write_files(tmp, files, ctx, writer, dtype, headers)
+        write_files(tmp, extra, ctx, writer, headers=headers)
         if world()[0] == 0:
             write_configs(model, tmp, dtype)
             if len(files) > 1:
-                weight_map = {k: name for name, items in files for k, _, _ in items}
+                weight_map = {k: name for name, _ in files for k, _, _ in headers[name]}
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
             if not translate_on_save or extra_meta:
-                meta = {"format": FULL_FORMAT, "plan": model.tpcompile_plan.to_dict()
-                        if hasattr(model, "tpcompile_plan") else None,
-                        "table": table.to_dict(), **(extra_meta or {})}
+                meta = {"format": FULL_FORMAT, "plan": plan, "table": keys.table.to_dict(), **(extra_meta or {})}
                 (tmp / META_NAME).write_text(json.dumps(meta) + "\n")
     return out_dir
+
+
+def _weight_files(model: nn.Module, table: TranslationTable, keys: StageKeys, dtype: torch.dtype | None,
+                  limit: int) -> tuple[dict[str, list[Entry]], list[tuple[str, list[Item]]]]:
+    """``(headers, files)``: every weight file's header entries and the items this rank
+    writes into each.  The headers are every stage's entries in the unsplit model's order
+    (gathered over the pp group), so the files are the ones the unsplit model writes."""
+    mine = {keys.stored[k]: (keys.stored[k], table.tensors[k], lookup(model, k)[2]) for k in keys.writes}
+    entries = gather_entries(model, [entry_of(i, dtype) for i in mine.values()], keys.table.saved_keys())
+    groups = split_by_size(entries, [nbytes(d, s) for _, d, s in entries], limit)
+    headers = dict(zip(file_names(len(groups)), groups, strict=True))
+    return headers, [(name, [mine[k] for k, _, _ in group if k in mine]) for name, group in headers.items()]
 
 
 def pipelined(consume: Callable[[Iterator[Any]], None], produce: Iterator[Any], depth: int = 2) -> None:
@@ -344,8 +366,10 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     table = table_of(model)
     ctx = tp_context(model)
     where = checkpoint_files(path)
-    missing = [k for k in table.saved_keys() if k not in where and table.tensors[k].kind == "param"]
-    unexpected = sorted(set(where) - set(table.tensors))
+    stored = stored_names(model, table)  # a pipeline stage: its tensors under the unsplit model's names
+    known = whole_table(model) or table
+    missing = [k for k in table.saved_keys() if stored[k] not in where and table.tensors[k].kind == "param"]
+    unexpected = sorted(set(where) - set(known.tensors))
     if strict and (missing or unexpected):
         raise TPError(
             f"{path} does not match {table.model_class}: missing {missing[:5]}"
@@ -357,11 +381,12 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     loaded = 0
     try:
         for key in table.saved_keys():
-            if key not in where:
+            name = stored[key]
+            if name not in where:
                 continue  # a buffer the checkpoint does not store keeps its own value
-            f = where[key]
+            f = where[name]
             r = readers.get(f) or readers.setdefault(f, SliceReader(f))
-            local = read_local(r, table.tensors[key], ctx.rank)
+            local = read_local(r, table.tensors[key], ctx.rank, name)
             assign_tp_local(model, key, local, table.aliases(key))
             loaded += 1
     finally:

@@ -26,24 +26,26 @@ from ..plan.table import TensorMap
 from ..runtime.shards import TPContext, tp_local, world
 from .safetensors_io import file_layout
 
-__all__ = ["Item", "is_writer", "write_files"]
+__all__ = ["Item", "entry_of", "is_writer", "write_files"]
 
 # (key in the file, HF layout or None for a whole tensor, the live tensor)
 Item = tuple[str, TensorMap | None, torch.Tensor]
 
 
 def is_writer(model: nn.Module) -> bool:
-    """First of its data-parallel replicas: coordinate 0 on every mesh dim but "tp"."""
+    """First of its data-parallel replicas: coordinate 0 on every mesh dim but "tp" and
+    "pp" (each pipeline stage writes its own tensors)."""
     mesh = getattr(model, "tpcompile_mesh", None)
     if mesh is None:
         return world()[0] == 0
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     coords = root.get_coordinate() or []
     names = root.mesh_dim_names or ("tp",) * len(coords)
-    return all(c == 0 for n, c in zip(names, coords, strict=True) if n != "tp")
+    return all(c == 0 for n, c in zip(names, coords, strict=True) if n not in ("tp", "pp"))
 
 
-def _entry(item: Item, dtype: torch.dtype | None) -> tuple[str, torch.dtype, list[int]]:
+def entry_of(item: Item, dtype: torch.dtype | None = None) -> tuple[str, torch.dtype, list[int]]:
+    """The file-header entry ``(key, dtype, HF shape)`` of ``item``, written as ``dtype``."""
     key, t, tensor = item
     shape = t.shape if t is not None else list(tensor.shape)
     want = tensor.dtype if dtype is None or not tensor.is_floating_point() else dtype
@@ -85,16 +87,20 @@ def _write_rows(fd: int, base: int, t: TensorMap, local: torch.Tensor, rank: int
 
 
 def write_files(tmp: Path, files: list[tuple[str, list[Item]]], ctx: TPContext, writer: bool,
-                dtype: torch.dtype | None = None) -> int:
+                dtype: torch.dtype | None = None,
+                headers: dict[str, list[tuple[str, torch.dtype, list[int]]]] | None = None) -> int:
     """Write ``files`` (name, items) into ``tmp`` from every rank; returns bytes of data.
 
-    Collective: every rank passes the same files and items in the same order.
+    Collective: every rank passes the same files and items in the same order.  With
+    ``headers`` (every file's entries, the same on every rank), a rank's items may be a
+    part of them: a pipeline stage writes its own tensors into files the stages share.
     """
     rank, _ = world()
     layouts = {}
     total = 0
     for name, items in files:
-        prefix, ranges = file_layout([_entry(i, dtype) for i in items])
+        entries = headers[name] if headers is not None else [entry_of(i, dtype) for i in items]
+        prefix, ranges = file_layout(entries)
         layouts[name] = ranges
         size = max((b for _, b in ranges.values()), default=len(prefix))
         total += size - len(prefix)
@@ -113,7 +119,7 @@ def write_files(tmp: Path, files: list[tuple[str, list[Item]]], ctx: TPContext, 
                 local = tp_local(tensor)  # collective under FSDP: every rank takes part
                 if not writer or error is not None:
                     continue
-                _, want, _ = _entry(item, dtype)
+                _, want, _ = entry_of(item, dtype)
                 local = local.to(device="cpu", dtype=want)
                 begin, _ = layouts[name][key]
                 try:

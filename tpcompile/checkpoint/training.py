@@ -28,13 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 from ..plan.table import TensorMap, TranslationTable
-from ..runtime.mesh import mirror_mesh
 from ..runtime.shards import (
     assign_tp_local,
     lookup,
@@ -47,6 +45,15 @@ from ..runtime.shards import (
 from . import hf
 from .atomic import distributed_atomic_dir
 from .background import BackgroundSaves, SaveHandle
+from .chunks import Meshes, background_group, chunk, chunk_mesh, full_tensor
+from .pipelined import (
+    StageKeys,
+    gather_stages,
+    pp_layout,
+    stage_keys,
+    stored_names,
+    whole_table,
+)
 from .safetensors_io import SliceReader, StreamWriter, read_header
 
 __all__ = ["KINDS", "SaveHandle", "latest", "load", "save"]
@@ -59,18 +66,6 @@ OPTIM_FILE = "optimizer.safetensors"
 
 
 _saves = BackgroundSaves("tpcompile-checkpoint")  # at most one in flight: save() waits first
-_ckpt_group: Any = None
-
-
-def _background_group() -> Any:
-    """A process group of its own for background writes, so they never interleave with
-    the training step's collectives (created once, by every rank, on the first async save)."""
-    global _ckpt_group
-    if _ckpt_group is None:
-        _ckpt_group = dist.new_group(backend="gloo")
-    return _ckpt_group
-
-
 # ---- what a model + optimizer hold, in HF layout --------------------------------------
 
 
@@ -113,11 +108,23 @@ def _set_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict
     set_optimizer_state_dict(model, optimizer, osd)
 
 
-def _meta(kind: str, model: nn.Module, table: TranslationTable, osd: dict[str, Any],
+def _stored_optim(model: nn.Module, stored: dict[str, str], entries: list) -> list[list]:
+    """The optimizer entries of the whole model, ``[fqn, state name, shaped]`` under the
+    names a checkpoint stores them (every pipeline stage's: collective over the pp group)."""
+    out: dict[tuple[str, str], list] = {}
+    for stage in gather_stages(model, [[stored.get(f, f), n, t is not None] for f, n, t in entries]):
+        for f, n, shaped in stage:
+            out.setdefault((f, n), [f, n, shaped])
+    return list(out.values())
+
+
+def _meta(kind: str, model: nn.Module, keys: StageKeys, osd: dict[str, Any],
           entries: list, extra: dict[str, Any] | None) -> dict[str, Any]:
-    meta = {"format": kind, "table": table.to_dict(), "param_groups": _param_groups(osd),
-            "optim": [[f, n, t is not None] for f, n, t in entries], "layout": _layout(model),
+    meta = {"format": kind, "table": keys.table.to_dict(), "param_groups": _param_groups(osd),
+            "optim": _stored_optim(model, keys.stored, entries), "layout": _layout(model),
             "extra": extra or {}}
+    if pp_layout(model):  # which stage's files hold each tensor (translating a local checkpoint)
+        meta["writers"] = {name: list(w) for name, w in keys.writer.items()}
     if kind != "tpcompile-full" and world()[0] == 0:
         meta["configs"] = _configs(model)
     return meta
@@ -147,7 +154,7 @@ def _layout(model: nn.Module) -> dict[str, Any]:
     names = mesh.mesh_dim_names or ("tp",)
     if mesh.ndim == 1:
         return {"world": size, "mesh": {"dp": size // mesh.size(), names[0]: mesh.size()}}
-    layout = {"world": size, "mesh": dict(zip(names, mesh.shape, strict=True))}
+    layout = {"world": size, "mesh": {**pp_layout(model), **dict(zip(names, mesh.shape, strict=True))}}
     ep = getattr(getattr(model, "tpcompile_parallel", None), "ep", 1)
     if ep > 1:  # expert parallelism splits dp_shard: another owner of each expert row
         layout["mesh"]["ep"] = ep
@@ -155,41 +162,6 @@ def _layout(model: nn.Module) -> dict[str, Any]:
 
 
 # ---- sharded (DCP, HF layout) ---------------------------------------------------------
-
-
-_world_meshes: dict[Any, DeviceMesh] = {}
-# keyed by what a mirror must match (device, shape, dim names, ranks), never by id(mesh):
-# after a mesh is garbage-collected a new one may reuse its id with another layout
-_mirrors: dict[tuple, DeviceMesh] = {}
-
-
-def _mesh_key(mesh: DeviceMesh) -> tuple:
-    return (mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
-            tuple(mesh.mesh.flatten().tolist()))
-
-
-def _chunk(full: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """This rank's row chunk of an HF tensor, as a DTensor over the whole world (``group``:
-    the world, or its background twin), copied so training may go on changing the source."""
-    _, size = world()
-    if size == 1 or full.dim() == 0:
-        return full.detach().clone()
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    group = group or dist.group.WORLD
-    if group not in _world_meshes:
-        _world_meshes[group] = DeviceMesh.from_group(group, full.device.type)
-    mesh = _world_meshes[group]
-    dt = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
-    local = dt.redistribute(mesh, [Shard(0)]).to_local().clone()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
-                              stride=full.stride())
-
-
-def _full(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 @dataclass
@@ -217,58 +189,24 @@ def _snapshot(name: str, layout: TensorMap | None, value: torch.Tensor) -> _Piec
 @dataclass
 class _Staged:
     pieces: list[_Piece]
-    meshes: _Meshes
-
-
-class _Meshes:
-    """The meshes a conversion runs its collectives on: the training job's own, or (for
-    background saves) mirrors with fresh process groups of the same shape."""
-
-    def __init__(self, model: nn.Module, mirror: bool) -> None:
-        self.root = _root_mesh(model)
-        self.mirrored = mirror and self.root is not None
-        self.world_group: Any = _background_group() if mirror else None
-        if self.mirrored:
-            key = _mesh_key(self.root)
-            if key not in _mirrors:  # created once per mesh, by every rank, in step
-                if not self.root.mesh_dim_names:
-                    raise TPError("async sharded saves need a DeviceMesh with dim names")
-                _mirrors[key] = mirror_mesh(self.root)
-            self.root = _mirrors[key]
-
-    def mesh(self, original: DeviceMesh) -> DeviceMesh:
-        if not self.mirrored:
-            return original
-        dims = tuple(original.mesh_dim_names or ())
-        return self.root[dims if len(dims) > 1 else dims[0]]
-
-    def tp(self) -> Any:
-        from ..runtime.shards import TPContext
-
-        if self.root is None or "tp" not in (self.root.mesh_dim_names or ()):
-            return TPContext(None)
-        return TPContext(self.root["tp"])
-
-
-def _root_mesh(model: nn.Module) -> DeviceMesh | None:
-    mesh: DeviceMesh | None = getattr(model, "tpcompile_mesh", None)
-    if mesh is None:
-        return None
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    return root if root is not None else mesh
+    meshes: Meshes
 
 
 def _stage_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                    extra: dict | None) -> tuple[list[_Piece], dict[str, Any]]:
-    """Copy what this rank holds (no collectives): cheap, so async saves block briefly."""
+    """Copy what this rank writes (no tensor collectives; with pp the stages exchange
+    their metadata): cheap, so async saves block briefly."""
     table = hf.table_of(model, plain_ok=True)
-    pieces = [_snapshot(f"model/{k}", table.tensors[k], lookup(model, k)[2]) for k in table.saved_keys()]
+    keys = stage_keys(model, table)  # with pp: each tensor under its unsplit name, by one stage
+    pieces = [_snapshot(f"model/{keys.stored[k]}", table.tensors[k], lookup(model, k)[2]) for k in keys.writes]
     osd, entries = _optim_entries(model, optimizer, table)
-    pieces += [_snapshot(f"optim/{f}/{n}", t, osd["state"][f][n]) for f, n, t in entries]
-    return pieces, _meta(SHARDED_FORMAT, model, table, osd, entries, extra)
+    written = keys.written()
+    pieces += [_snapshot(f"optim/{keys.stored[f]}/{n}", t, osd["state"][f][n]) for f, n, t in entries
+               if keys.stored[f] in written]
+    return pieces, _meta(SHARDED_FORMAT, model, keys, osd, entries, extra)
 
 
-def _to_hf_chunks(pieces: list[_Piece], meshes: _Meshes) -> dict[str, Any]:
+def _to_hf_chunks(pieces: list[_Piece], meshes: Meshes) -> dict[str, Any]:
     """Each piece → its HF tensor → this rank's row chunk (collectives on ``meshes``)."""
     from torch.distributed.tensor import DTensor
 
@@ -280,7 +218,7 @@ def _to_hf_chunks(pieces: list[_Piece], meshes: _Meshes) -> dict[str, Any]:
             value = DTensor.from_local(p.local, meshes.mesh(p.mesh), p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride)
         full = hf.hf_tensor(p.layout, value, ctx) if p.layout is not None else tp_local(value)
-        state[p.name] = _chunk(full, meshes.world_group)
+        state[p.name] = chunk(full, meshes.chunks)
         p.local = torch.empty(0)  # free the snapshot as soon as it is converted
     return state
 
@@ -302,26 +240,31 @@ def _load_sharded(path: Path, meta: dict[str, Any], model: nn.Module,
 
     table = hf.table_of(model, plain_ok=True)
     ctx = tp_context(model)
-    _check_same_model(path, TranslationTable.from_dict(meta["table"]), table)
+    _check_same_model(path, TranslationTable.from_dict(meta["table"]), whole_table(model) or table)
+    stored = stored_names(model, table)  # a pipeline stage reads its tensors under their unsplit names
     osd, entries = _optim_entries(model, optimizer, table)
-    _check_same_optimizer(path, meta, entries)
-    state: dict[str, Any] = {}
+    _check_same_optimizer(path, meta, _stored_optim(model, stored, entries))
+    mesh = chunk_mesh(model, "cpu")
+    readers: dict[str, list[str]] = {}  # stored name -> the local keys it loads into (a tie's copies)
     for key in table.saved_keys():
+        readers.setdefault(stored[key], []).append(key)
+    state: dict[str, Any] = {}
+    for name, (key, *_) in readers.items():
         t = table.tensors[key]
-        state[f"model/{key}"] = _chunk(torch.empty(t.shape, dtype=getattr(torch, t.dtype)))
+        state[f"model/{name}"] = chunk(torch.empty(t.shape, dtype=getattr(torch, t.dtype)), mesh)
     for fqn, name, t in entries:
         cur = osd["state"][fqn][name]
-        state[f"optim/{fqn}/{name}"] = _chunk(torch.empty(t.shape, dtype=cur.dtype)) if t is not None \
-            else torch.empty((), dtype=cur.dtype)
+        state[f"optim/{stored[fqn]}/{name}"] = chunk(torch.empty(t.shape, dtype=cur.dtype), mesh) \
+            if t is not None else torch.empty((), dtype=cur.dtype)
     _, size = world()
     dcp.load(state, checkpoint_id=path, no_dist=size == 1)
-    for key in table.saved_keys():
-        t = table.tensors[key]
-        full = _full(state.pop(f"model/{key}"))
-        assign_tp_local(model, key, t.to_local(full, ctx.rank), table.aliases(key))
+    for name, keys in readers.items():
+        full = full_tensor(state.pop(f"model/{name}"))
+        for key in keys:
+            assign_tp_local(model, key, table.tensors[key].to_local(full, ctx.rank), table.aliases(key))
     if optimizer is not None:
         def value_of(fqn: str, name: str, t: TensorMap | None) -> torch.Tensor:
-            full = _full(state[f"optim/{fqn}/{name}"])
+            full = full_tensor(state[f"optim/{stored[fqn]}/{name}"])
             return t.to_local(full, ctx.rank) if t is not None else full
         _set_optimizer(model, optimizer, osd, entries, meta["param_groups"], value_of)
 
@@ -337,6 +280,7 @@ def _check_same_model(path: Path, saved: TranslationTable, table: TranslationTab
 
 
 def _check_same_optimizer(path: Path, meta: dict[str, Any], entries: list) -> None:
+    """``entries``: the whole model's, as :func:`_stored_optim` names them."""
     saved = {(f, n) for f, n, _ in meta.get("optim", [])}
     if entries and not saved:
         raise TPError(f"{path} holds no optimizer state; pass optimizer=None to load the model only")
@@ -358,11 +302,12 @@ def _stage_local(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         return storage(v).detach().clone()
 
     table = hf.table_of(model, plain_ok=True)
+    keys = stage_keys(model, table)  # a rank file holds what the rank holds, under its own names
     tensors = {f"model/{k}": mine(lookup(model, k)[2]) for k in table.saved_keys()}
     osd, entries = _optim_entries(model, optimizer, table)
     for fqn, name, _ in entries:
         tensors[f"optim/{fqn}/{name}"] = mine(osd["state"][fqn][name])
-    return tensors, _meta(LOCAL_FORMAT, model, table, osd, entries, extra)
+    return tensors, _meta(LOCAL_FORMAT, model, keys, osd, entries, extra)
 
 
 def _write_local(tensors: dict[str, torch.Tensor], meta: dict[str, Any], tmp: Path, group: Any) -> None:
@@ -387,7 +332,7 @@ def _load_local(path: Path, meta: dict[str, Any], model: nn.Module,
     if not f.exists():
         raise TPError(f"{path}: this rank's shard {f.name} is missing (an interrupted save?)")
     osd, entries = _optim_entries(model, optimizer, table)
-    _check_same_optimizer(path, meta, entries)
+    _check_same_optimizer(path, meta, _stored_optim(model, stored_names(model, table), entries))
     with SliceReader(f) as r:
         for key in table.saved_keys():
             _, _, cur = lookup(model, key)
@@ -409,10 +354,13 @@ def _load_local(path: Path, meta: dict[str, Any], model: nn.Module,
 def _save_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                extra: dict | None, overwrite: bool) -> None:
     table = hf.table_of(model)
+    keys = stage_keys(model, table)
     osd, entries = _optim_entries(model, optimizer, table)
-    items = [(f"{fqn}/{name}", t, osd["state"][fqn][name]) for fqn, name, t in entries]
-    hf.save_pretrained(model, path, overwrite=overwrite, extra_files=[(OPTIM_FILE, items)] if items else [],
-                       extra_meta=_meta("tpcompile-full", model, table, osd, entries, extra))
+    written = keys.written()  # with pp: each stage writes its own state, a tie's once
+    items = [(f"{keys.stored[fqn]}/{name}", t, osd["state"][fqn][name]) for fqn, name, t in entries
+             if keys.stored[fqn] in written]
+    hf.save_pretrained(model, path, overwrite=overwrite, extra_files=[(OPTIM_FILE, items)],
+                       extra_meta=_meta("tpcompile-full", model, keys, osd, entries, extra))
 
 
 def _load_full(path: Path, meta: dict[str, Any], model: nn.Module,
@@ -420,13 +368,15 @@ def _load_full(path: Path, meta: dict[str, Any], model: nn.Module,
     hf.load_hf_weights(model, path)
     if optimizer is None:
         return
-    osd, entries = _optim_entries(model, optimizer, hf.table_of(model))
-    _check_same_optimizer(path, meta, entries)
+    table = hf.table_of(model)
+    stored = stored_names(model, table)
+    osd, entries = _optim_entries(model, optimizer, table)
+    _check_same_optimizer(path, meta, _stored_optim(model, stored, entries))
     rank = tp_context(model).rank
     read_header(path / OPTIM_FILE)
     with SliceReader(path / OPTIM_FILE) as r:
         def value_of(fqn: str, name: str, t: TensorMap | None) -> torch.Tensor:
-            key = f"{fqn}/{name}"
+            key = f"{stored[fqn]}/{name}"
             return hf.read_local(r, t, rank, key) if t is not None else r.read(key)
         _set_optimizer(model, optimizer, osd, entries, meta["param_groups"], value_of)
 
@@ -482,7 +432,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     stage, write = (_stage_sharded, _write_sharded) if kind == "sharded" else (_stage_local, _write_local)
     data, meta = stage(model, optimizer, extra)
     if kind == "sharded":  # layout conversion runs where the write runs, on its own groups if async
-        data = _Staged(data, _Meshes(model, mirror=async_ and world()[1] > 1))
+        data = _Staged(data, Meshes(model, mirror=async_ and world()[1] > 1))
 
     def job(group: Any) -> None:
         with distributed_atomic_dir(final, overwrite=overwrite, group=group) as tmp:
@@ -493,7 +443,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if not async_:
         job(None)
         return SaveHandle(final)
-    group = _background_group() if world()[1] > 1 else None
+    group = background_group() if world()[1] > 1 else None
     return _saves.start(final, lambda: job(group))
 
 

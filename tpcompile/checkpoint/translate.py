@@ -136,19 +136,23 @@ def _open_local(root: Path) -> Source:
     world = meta["layout"]["world"]
     tp = mesh.get("tp", 1)
     shard = mesh.get("dp_shard", 1)
+    stage_size = world // mesh.get("pp", 1)
+    # a pipelined model's tensor sits in the files of the stage that wrote it, under its name there
+    writers = meta.get("writers", {})
     names = [root / f"rank-{r:05d}.safetensors" for r in range(world)]
     missing = [n.name for n in names if not n.exists()]
     if missing:
         raise TPError(f"{root}: rank files {missing[:4]} are missing (an interrupted save?)")
     readers = [SliceReader(n) for n in names]
-    # mesh (dp_replicate, dp_shard, tp), row-major: replica 0 holds every TP shard's pieces
-    def rank_of(s: int, t: int) -> int:
-        return s * tp + t
+    # mesh (pp, dp_replicate, dp_shard, tp), row-major: replica 0 holds every TP shard's pieces
+    def rank_of(p: int, s: int, t: int) -> int:
+        return p * stage_size + s * tp + t
 
     def read(key: str) -> torch.Tensor:
         t = table.tensors[key]
-        tp_shards = [torch.cat([readers[rank_of(s, r)].read(f"model/{key}") for s in range(shard)])
-                     if shard > 1 else readers[rank_of(0, r)].read(f"model/{key}") for r in range(tp)]
+        p, name = writers.get(key, (0, key))
+        tp_shards = [torch.cat([readers[rank_of(p, s, r)].read(f"model/{name}") for s in range(shard)])
+                     if shard > 1 else readers[rank_of(p, 0, r)].read(f"model/{name}") for r in range(tp)]
         return t.to_hf(tp_shards) if t.sharded else tp_shards[0]
 
     def close() -> None:
