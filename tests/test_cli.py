@@ -243,11 +243,13 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def test_cli_surface_frozen() -> None:
     subs = _subcommands(build_parser())
-    assert set(subs) == {"dump-plan", "demo", "translate", "verify"}
+    assert set(subs) == {"dump-plan", "demo", "translate", "verify", "calibrate"}
     flags = {s for a in subs["dump-plan"]._actions for s in a.option_strings}
     assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table", "--dp-shard",
                      "--batch", "--seq", "--fp8", "--cp", "--pp", "--pp-schedule", "--pp-microbatches",
-                     "--pp-virtual"}
+                     "--pp-virtual", "--auto", "--gpus", "--gpus-per-node", "--hardware", "--dtype", "--top"}
+    calibrate_flags = {s for a in subs["calibrate"]._actions for s in a.option_strings}
+    assert calibrate_flags == {"-h", "--help", "--out", "--procs"}
     tr_flags = {s for a in subs["translate"]._actions for s in a.option_strings}
     assert tr_flags == {"-h", "--help", "--dtype", "--max-shard-size", "--overwrite", "--quiet"}
     positionals = [a.dest for a in subs["dump-plan"]._actions if not a.option_strings]

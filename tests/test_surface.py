@@ -32,7 +32,8 @@ PUBLIC = {
                              "save_pretrained"],
     "tpcompile.integrations": ["STATE_DIR", "TPTrainerCallback", "TrainerSupport", "data_mesh", "prepare",
                                "support_trainers"],
-    "tpcompile.tools": ["WorkerFailed", "estimate_cost", "free_port", "shrink_config", "spawn_local", "verify"],
+    "tpcompile.tools": ["WorkerFailed", "calibrate", "estimate_cost", "free_port", "plan_layout", "shrink_config",
+                        "spawn_local", "verify"],
     "tpcompile.rules": ["Mixes", "Rule", "RuleSet", "TokenRule", "Tokens", "default_rules", "rule", "token_rule"],
     "tpcompile.config": [
         "ACCELERATE_KEYS", "SMP_KEYS", "CheckpointKind", "NoEffect", "Only", "ParallelConfig", "Sets",

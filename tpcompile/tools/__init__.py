@@ -1,5 +1,6 @@
-"""Tools around the library: the CLI, ``verify``, the cost model, the config shrinker,
-presets, the demo and the local launcher.  Nothing in the library imports them.
+"""Tools around the library: the CLI, ``verify``, the cost model, the layout search and
+hardware profiles, the config shrinker, presets, the demo and the local launcher.
+Nothing in the library imports them.
 
 Example:
     >>> from tpcompile.tools import estimate_cost, shrink_config, verify   # doctest: +SKIP
@@ -11,11 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["WorkerFailed", "estimate_cost", "free_port", "shrink_config", "spawn_local", "verify"]
+__all__ = ["WorkerFailed", "calibrate", "estimate_cost", "free_port", "plan_layout", "shrink_config", "spawn_local",
+           "verify"]
 
 # imported on first use: ``python -m tpcompile --help`` should not pay for the cost model
 _HOME = {"estimate_cost": "cost", "shrink_config": "shrink", "verify": "verify", "spawn_local": "launch",
-         "free_port": "launch", "WorkerFailed": "launch"}
+         "free_port": "launch", "WorkerFailed": "launch", "plan_layout": "layout", "calibrate": "hardware"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,9 @@ Subcommands:
   transformed, then its logits, training losses and greedy generations are compared
   against a single-process copy of the same model.
 * ``verify MODEL --tp 2`` checks a shrunk copy of any model the same way, per module.
+* ``dump-plan NAME --auto --gpus N --hardware h100-80gb --seq S`` ranks the layouts that
+  fit N devices; ``calibrate`` measures this machine into a hardware profile
+  (:mod:`tpcompile.tools.cli_layout`).
 
 Exit codes: 0 success, 1 demo / verify mismatch (or a transform error in verify), 2 user
 error (unknown preset, bad config, a model or ``tp`` the compiler cannot split); the
@@ -32,6 +35,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import TPError
 from ..plan import Plan
+from .cli_layout import add_auto_flags, add_calibrate, auto_conflicts
 from .cost_render import human_bytes
 from .cost_render import table as _table
 
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a model on the meta device, plan it for --tp ranks and print the plan.",
     )
     dump.add_argument("name", nargs="?", help="model preset name (optional with --model)")
-    dump.add_argument("--tp", type=_positive_int, default=8, help="tensor-parallel degree (default 8)")
+    dump.add_argument("--tp", type=_positive_int, help="tensor-parallel degree (default 8)")
     dump.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     dump.add_argument("--model", metavar="DIR_OR_CONFIG_JSON",
                       help="a local model directory or config.json instead of a preset")
@@ -84,14 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the HF <-> per-rank translation table instead of the plan")
     dump.add_argument("--dp-shard", type=_positive_int, default=1,
                       help="FSDP2 shard degree on top of --tp, for the cost section (default 1: no FSDP)")
-    dump.add_argument("--batch", type=_positive_int, help="sequences per step per rank, for the cost section")
+    dump.add_argument("--batch", type=_positive_int,
+                      help="sequences per step per rank, for the cost section (with --auto: the global batch)")
     dump.add_argument("--seq", type=_positive_int, help="sequence length, for the cost section")
     dump.add_argument("--cp", type=_positive_int, default=1,
                       help="price context parallelism over this many ranks (parallelize(cp=...))")
     dump.add_argument("--fp8", action="store_true",
                       help="price FP8 projections (fp8=True): their amax all-reduces and, with --dp-shard, "
-                           "FSDP2's FP8 all-gathers (1 byte per element) and their scale all-reduce")
+                           "FSDP2's FP8 all-gathers (1 byte per element) and their scale all-reduce; with --auto: "
+                           "search FP8 layouts too")
     _add_pipeline_flags(dump)
+    add_auto_flags(dump)
     dump.set_defaults(handler=_cmd_dump_plan)
 
     tr = sub.add_parser(
@@ -118,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=5, help="training steps (default 5)")
     demo.set_defaults(handler=_cmd_demo)
     _add_verify(sub)
+    add_calibrate(sub)
     return parser
 
 
@@ -237,6 +245,17 @@ def _cmd_dump_plan(args: argparse.Namespace) -> int:
     from ..plan import plan_model
 
     t0 = time.perf_counter()
+    conflict = auto_conflicts(args)
+    if conflict:
+        return _fail(conflict)
+    if args.auto:  # the layout search: tp, pp, cp, ... chosen, not given
+        from .cli_layout import run_auto
+
+        try:
+            return run_auto(_build_model(args), args.name or args.model, args)
+        except _UsageError as exc:
+            return _fail(str(exc))
+    args.tp = args.tp or 8
     try:
         _check_pipeline_flags(args)  # before the model is built: a bad flag fails fast
         model = _build_model(args)

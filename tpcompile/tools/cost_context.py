@@ -81,14 +81,17 @@ def context_forward(shadow: nn.Module, mode: Any, pack: Any, cp: int, batch: int
         context._ACTIVE[0] = active
 
 
-def context_issues(model: nn.Module, plan: Plan, cp: int) -> list[Issue]:
+def context_issues(model: nn.Module, plan: Plan, cp: int, cap: Capture | None = None) -> list[Issue]:
     """Context parallelism's collectives (runtime/context.py): per attention call, the keys
     and the values all-gathered over the CP group in forward (each rank passes its 1/cp
     of the positions, its TP-local KV heads) and their gradients reduce-scattered in
-    backward (the gathered tensor passed in); one all-reduce of the loss."""
+    backward (the gathered tensor passed in); one all-reduce of the loss.  ``cap``: the
+    model's :func:`~tpcompile.plan.context.context_capture` graph, when the caller prices
+    several plans of one model (the layout search) and captures once."""
     from ..plan.context import ATTENTION_OPS, context_capture
 
-    cap, _ = context_capture(model)
+    if cap is None:
+        cap, _ = context_capture(model)
     tokens = _capture_tokens(cap)
     issues: list[Issue] = []
     for node in cap.graph.nodes:
