@@ -9,8 +9,9 @@ each rank its own stages' parameters under their HF names.  World 2: pp=2 with g
 positions, embeddings tied across the first and last stage); delayed init on meta equals
 the unsplit layout's; ``clip_grad_norm_`` gives the global norm; each stage's activations per
 microbatch as run are within 10% of ``dump-plan --pp``'s estimate.  World 4: pp2 x tp2,
-pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch) and with
-activation checkpointing.  Refusals: an encoder-decoder, the split-backward schedules,
+pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch), with
+activation checkpointing, and mixtral at pp2 x ep2 (experts dispatched by all-to-all in
+every stage).  Refusals: an encoder-decoder, the split-backward schedules,
 sequence parallelism, a plain forward / ``generate()`` / the HF Trainer's own step, a
 batch the microbatches do not divide, MoE load-balancing losses.
 """
@@ -227,6 +228,7 @@ WORLD4 = {
     "llama_pp2_dp2": (_exact, "llama", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4}),
     "mixtral_pp2_dp2_ac": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4,
                                                "activation_checkpointing": True}),
+    "mixtral_pp2_ep2": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "ep": 2, "pp_microbatches": 4}),
 }
 
 

@@ -47,7 +47,7 @@ from .runtime.adapters import adopt_plan, global_twin, size_adapters_globally
 from .runtime.apply import apply_plan, install_root_hooks
 from .runtime.context import install_context_parallel
 from .runtime.experts import shard_experts
-from .runtime.fsdp import fully_shard_model, fully_shard_stages, shard_added_modules
+from .runtime.fsdp import fully_shard_model, shard_added_modules
 from .runtime.guard import planned_names, watch_tree
 from .runtime.loss import install_local_loss, install_loss_parallel
 from .runtime.markers import mark_model
@@ -221,11 +221,10 @@ def apply_fsdp(job: Job) -> None:
     # FSDP2 shards over dp_shard x cp: to it (and the experts' gradient divide factor)
     # the CP ranks are data-parallel shards
     cfg = replace(job.cfg, dp_shard=job.cfg.dp_shard * job.cfg.cp, cp=1) if job.cfg.cp > 1 else job.cfg
-    if job.pipeline is not None:  # each stage module is the FSDP2 root of its own units
-        fully_shard_stages(job.pipeline.stages, list(job.plan.blocks), cfg, job.mesh, job.device)
-        return
+    # a pipelined model: each stage module is the FSDP2 root of its own units
+    roots = None if job.pipeline is None else list(job.pipeline.stages)
     fully_shard_model(job.model, list(job.plan.blocks), cfg, job.mesh, job.device, job.experts,
-                      getattr(job.model, "tpcompile_expert_mesh", None))
+                      getattr(job.model, "tpcompile_expert_mesh", None), roots=roots)
 
 
 def materialise(job: Job) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from ..config import ParallelConfig
 from .mesh import ParallelDims
 
-__all__ = ["fully_shard_model", "fully_shard_stages", "shard_added_modules"]
+__all__ = ["fully_shard_model", "shard_added_modules"]
 
 
 def _shard_kwargs(cfg: ParallelConfig, mesh: DeviceMesh, device: str) -> dict[str, Any]:
@@ -47,8 +47,16 @@ def shard_added_modules(model: nn.Module, modules: list[nn.Module], cfg: Paralle
 
 
 def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
-                      device: str, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> None:
-    """Wrap ``blocks`` (then the root) with ``fully_shard`` on ``mesh``'s data-parallel dims."""
+                      device: str, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None,
+                      roots: list[nn.Module] | None = None) -> None:
+    """Wrap ``blocks`` (then the root) with ``fully_shard`` on ``mesh``'s data-parallel dims.
+
+    ``roots``: a pipelined model's stage modules (runtime/pipeline.py) instead of the
+    model: each is the root of its blocks' units and holds its modules outside them
+    (embeddings; final norm and head), as the unsplit model's root does — a root keeps
+    its parameters gathered from forward to backward, which the head's local-vocabulary
+    loss needs (it reads the head's shard past the module's output); ``PipelineStage``
+    then reduce-scatters once per step."""
     kwargs = _shard_kwargs(cfg, mesh, device)
     if experts:
         # each experts module is its own unit, sharded over efsdp only (ep already split
@@ -66,20 +74,5 @@ def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, 
                 module.set_force_sum_reduction_for_comms(True)
     for fqn in blocks:
         fully_shard(model.get_submodule(fqn), **kwargs)
-    fully_shard(model, **kwargs)
-
-
-def fully_shard_stages(stages: list[nn.Module], blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
-                       device: str) -> None:
-    """FSDP2 for a pipelined model: each block a unit, and each stage module the root of
-    its blocks holding its modules outside them (embeddings; final norm and head), as the
-    unsplit model's root does — a root keeps its parameters gathered from forward to
-    backward, which the head's local-vocabulary loss needs (it reads the head's shard
-    past the module's output).  ``PipelineStage`` then reduce-scatters once per step."""
-    kwargs = _shard_kwargs(cfg, mesh, device)
-    units = set(blocks)
-    for stage in stages:
-        for name, child in stage.named_children():
-            if name.replace("__", ".") in units:
-                fully_shard(child, **kwargs)
-        fully_shard(stage, **kwargs)
+    for root in roots if roots is not None else [model]:
+        fully_shard(root, **kwargs)
