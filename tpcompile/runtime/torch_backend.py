@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..errors import TPError
 from ..plan.modules import (
     EnterRegion,
     GatherOutput,
@@ -150,6 +151,8 @@ class TorchBackend:
         if (vocab_range is not None) != (mplan.op(VocabEmbedding) is not None):
             raise ValueError(f"{mplan.fqn}: a vocab range is given exactly for vocab-parallel embeddings")
         handlers = [handler_for(op)(self, op, vocab_range) for op in mplan.ops]
+        for h in handlers:
+            h.fqn = mplan.fqn  # named in the errors a handler raises
         replica_index = {
             name: (torch.as_tensor(pp.index()[self.rank]), pp.global_shape[pp.shard_dim], pp.shard_dim)
             for name, pp in replicas.items()
@@ -204,6 +207,8 @@ class OpHooks:
     """What one :class:`~tpcompile.plan.modules.ModuleOp` does around a module's forward:
     ``swap`` (parameters, before the forward), ``pre`` (inputs), ``post`` (outputs)."""
 
+    fqn = ""  # the module's name, set by install
+
     def __init__(self, backend: TorchBackend, op: Any, vocab_range: tuple[int, int] | None) -> None:
         self.backend, self.op, self.group, self.vocab_range = backend, op, backend.group, vocab_range
 
@@ -234,6 +239,7 @@ class _VocabHooks(OpHooks):
     def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
         start, end = self.vocab_range
         ids = args[0] if args else kwargs["input"]
+        check_ids(ids, self.op.vocab_size, self.fqn)
         mask = (ids < start) | (ids >= end)
         local_ids = (ids - start).masked_fill(mask, 0)
         state["mask"] = mask
@@ -244,6 +250,24 @@ class _VocabHooks(OpHooks):
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
         out = out.masked_fill(state.pop("mask").unsqueeze(-1), 0)
         return comm.reduce_from_tp(out, self.group)
+
+
+def check_ids(ids: torch.Tensor, vocab: int | None, fqn: str) -> None:
+    """Refuse ids outside ``[0, vocab)``, as the unsplit embedding does: split over the
+    vocabulary, every rank would mask such an id and the model would run on a zero vector.
+    The ids a TP group sees are the same on every rank, so no collective is needed; on
+    CUDA the check is asynchronous (no host sync in the step)."""
+    if vocab is None or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if ids.is_cuda:
+        torch._assert_async(~bad.any(), f"{fqn}: a token id is outside the vocabulary [0, {vocab})")
+        return
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise TPError(f"{fqn or 'the embedding'}: token id {int(ids[where])} at position {list(where)} is outside "
+                      f"the vocabulary [0, {vocab}) (the unsplit model raises IndexError here). A tokenizer with "
+                      "added tokens needs model.resize_token_embeddings(len(tokenizer)) before tpcompile")
 
 
 class _ReduceHooks(OpHooks):

@@ -1,0 +1,59 @@
+"""Token ids outside the vocabulary are refused by the vocabulary-split embedding.
+
+Split over the vocabulary, every rank masks an id outside its rows, so an id outside the
+whole vocabulary would read a zero vector on every rank and the model would run silently
+wrong; the unsplit embedding raises ``IndexError``.  Over gloo at tp=2 (tiny Llama, 256
+ids): an id of 256 or -1 in eval and in training raises a ``TPError`` naming the module,
+the id and its position; the largest valid id still gives the unsplit model's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import CaseResults, run_cases
+from transformers import AutoModelForCausalLM
+
+import tpcompile
+from tpcompile import TPError
+from tpcompile.tools.presets import tiny_config
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama"))
+
+
+def _ids(rank: int, world: int) -> dict:
+    ref = _model().eval()
+    model = tpcompile.transform(_model(), tp=world).eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids[1, 7] = 255  # the last row: valid
+    with torch.no_grad():
+        err = (model(ids).logits - ref(ids).logits).abs().max().item()
+    errors = {}
+    for name, value, training in (("above", 256, False), ("negative", -1, False), ("training", 300, True)):
+        bad = ids.clone()
+        bad[1, 3] = value
+        model.train(training)
+        try:
+            model(input_ids=bad, labels=ids)
+            errors[name] = None
+        except TPError as exc:
+            errors[name] = str(exc)
+    return {"err": err, "errors": errors}
+
+
+@pytest.fixture(scope="module")
+def world2() -> CaseResults:
+    return run_cases(2, {"ids": (_ids,)}, timeout=300)
+
+
+@pytest.mark.slow
+def test_ids_outside_the_vocabulary_are_refused(world2: CaseResults) -> None:
+    for r in world2["ids"]:
+        assert r["err"] < 1e-5, r
+        for name, value in (("above", 256), ("negative", -1), ("training", 300)):
+            text = r["errors"][name]
+            assert text is not None and "model.embed_tokens" in text and f"token id {value}" in text, (name, text)
+            assert "position [1, 3]" in text and "[0, 256)" in text, text
