@@ -35,7 +35,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import TPError
 from ..plan import Plan
-from .cli_layout import add_auto_flags, add_calibrate, auto_conflicts
+from .cli_layout import add_auto_flags, add_calibrate, auto_conflicts, positive_int
 from .cost_render import human_bytes
 from .cost_render import table as _table
 
@@ -50,16 +50,6 @@ _EXIT_USAGE = 2
 # ---------------------------------------------------------------------------------
 # Parser
 # ---------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,19 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a model on the meta device, plan it for --tp ranks and print the plan.",
     )
     dump.add_argument("name", nargs="?", help="model preset name (optional with --model)")
-    dump.add_argument("--tp", type=_positive_int, help="tensor-parallel degree (default 8)")
+    dump.add_argument("--tp", type=positive_int, help="tensor-parallel degree (default 8)")
     dump.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     dump.add_argument("--model", metavar="DIR_OR_CONFIG_JSON",
                       help="a local model directory or config.json instead of a preset")
-    dump.add_argument("--layers", type=_positive_int, help="override the number of layers")
+    dump.add_argument("--layers", type=positive_int, help="override the number of layers")
     dump.add_argument("--table", action="store_true",
                       help="print the HF <-> per-rank translation table instead of the plan")
-    dump.add_argument("--dp-shard", type=_positive_int, default=1,
+    dump.add_argument("--dp-shard", type=positive_int, default=1,
                       help="FSDP2 shard degree on top of --tp, for the cost section (default 1: no FSDP)")
-    dump.add_argument("--batch", type=_positive_int,
+    dump.add_argument("--batch", type=positive_int,
                       help="sequences per step per rank, for the cost section (with --auto: the global batch)")
-    dump.add_argument("--seq", type=_positive_int, help="sequence length, for the cost section")
-    dump.add_argument("--cp", type=_positive_int, default=1,
+    dump.add_argument("--seq", type=positive_int, help="sequence length, for the cost section")
+    dump.add_argument("--cp", type=positive_int, default=1,
                       help="price context parallelism over this many ranks (parallelize(cp=...))")
     dump.add_argument("--fp8", action="store_true",
                       help="price FP8 projections (fp8=True): their amax all-reduces and, with --dp-shard, "
@@ -121,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spawn --tp gloo processes, transform a tiny Llama and compare logits, "
         "training losses and greedy generations with a single-process reference.",
     )
-    demo.add_argument("--tp", type=_positive_int, default=2, help="number of processes (default 2)")
-    demo.add_argument("--steps", type=_positive_int, default=5, help="training steps (default 5)")
+    demo.add_argument("--tp", type=positive_int, default=2, help="number of processes (default 2)")
+    demo.add_argument("--steps", type=positive_int, default=5, help="training steps (default 5)")
     demo.set_defaults(handler=_cmd_demo)
     _add_verify(sub)
     add_calibrate(sub)
@@ -132,15 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_pipeline_flags(dump: argparse.ArgumentParser) -> None:
     """dump-plan's pipeline flags: parallelize's ``pp``, ``pp_schedule``, ``pp_microbatches``,
     ``pp_virtual``, with the same defaults."""
-    dump.add_argument("--pp", type=_positive_int, default=1,
+    dump.add_argument("--pp", type=positive_int, default=1,
                       help="price pipeline parallelism over this many stages' ranks (parallelize(pp=...)): "
                            "a stage table, p2p bytes, bubble, memory per pp rank")
     # a string, not argparse choices: a bad name is the same TPError parallelize raises
     dump.add_argument("--pp-schedule", metavar="NAME",
                       help="gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv or dualpipev (default: "
                            "interleaved_1f1b when the blocks and microbatches allow it, else 1f1b)")
-    dump.add_argument("--pp-microbatches", type=_positive_int, help="microbatches per step (default 2 x pp)")
-    dump.add_argument("--pp-virtual", type=_positive_int,
+    dump.add_argument("--pp-microbatches", type=positive_int, help="microbatches per step (default 2 x pp)")
+    dump.add_argument("--pp-virtual", type=positive_int,
                       help="stages per rank of the interleaved / zero-bubble schedules (default 2)")
 
 
@@ -154,10 +144,10 @@ def _add_verify(sub: Any) -> None:
         "Exit code 0 only if everything matches.",
     )
     ver.add_argument("model", help="a preset name, a local HF model directory or a config.json")
-    ver.add_argument("--tp", type=_positive_int, default=2, help="number of processes (default 2)")
+    ver.add_argument("--tp", type=positive_int, default=2, help="number of processes (default 2)")
     ver.add_argument("--tol", type=float, default=1e-5,
                      help="pass when the absolute or the relative difference is within it (default 1e-5)")
-    ver.add_argument("--layers", type=_positive_int, default=2,
+    ver.add_argument("--layers", type=positive_int, default=2,
                      help="layers of the shrunk model; one of each layer kind is kept anyway (default 2)")
     ver.add_argument("--no-generate", action="store_true", help="skip the greedy generate comparison")
     ver.add_argument("--format", choices=("table", "json"), default="table", help="output format")
@@ -165,10 +155,10 @@ def _add_verify(sub: Any) -> None:
                      help="attention implementation (default: the model's own default)")
     ver.add_argument("--sequence-parallel", action="store_true",
                      help="transform with sequence_parallel=True (norms and residuals split by tokens)")
-    ver.add_argument("--cp", type=_positive_int, default=1,
+    ver.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: parallelize(tp=--tp, cp=CP) on tp x cp processes, each "
                      "sequence split over cp ranks, modules compared on each rank's positions (default 1)")
-    ver.add_argument("--pp", type=_positive_int, default=1,
+    ver.add_argument("--pp", type=positive_int, default=1,
                      help="pipeline parallelism: parallelize(tp=--tp, pp=PP) on tp x pp processes, one "
                      "pipeline_step; the loss, every gradient and every module's output (microbatches "
                      "joined) compared (default 1)")

@@ -17,12 +17,13 @@ from torch import nn
 
 from ..errors import TPError
 
-__all__ = ["add_auto_flags", "add_calibrate", "auto_conflicts", "run_auto"]
+__all__ = ["add_auto_flags", "add_calibrate", "auto_conflicts", "positive_int", "run_auto"]
 
 _AUTO_ONLY = ("gpus", "gpus_per_node", "hardware", "dtype", "top")
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse's type for a count (degrees, processes): an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -38,14 +39,14 @@ def add_auto_flags(dump: argparse.ArgumentParser) -> None:
                       help="rank the layouts (tp, pp + schedule, cp, ep, dp_shard, dp_replicate, SP, activation "
                            "checkpointing; FP8 too with --fp8) that fit --gpus devices by predicted step time; "
                            "--batch is then the global batch (default: --gpus sequences)")
-    dump.add_argument("--gpus", type=_positive, help="with --auto: devices of the job")
-    dump.add_argument("--gpus-per-node", type=_positive, help="with --auto: default the hardware profile's (8)")
+    dump.add_argument("--gpus", type=positive_int, help="with --auto: devices of the job")
+    dump.add_argument("--gpus-per-node", type=positive_int, help="with --auto: default the hardware profile's (8)")
     dump.add_argument("--hardware", metavar="NAME|FILE.json",
                       help="with --auto: h100-80gb, h200, a100-80gb, b200, cpu, or a profile JSON "
                            "(python -m tpcompile calibrate --out FILE.json)")
     dump.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                       help="with --auto: the compute dtype (default bf16)")
-    dump.add_argument("--top", type=_positive, help="with --auto: layouts to list (default 10)")
+    dump.add_argument("--top", type=positive_int, help="with --auto: layouts to list (default 10)")
 
 
 def auto_conflicts(args: argparse.Namespace) -> str | None:
@@ -88,7 +89,7 @@ def add_calibrate(sub: Any) -> None:
         "gloo processes; print the profile and write it as JSON for dump-plan --auto --hardware FILE.json.",
     )
     cal.add_argument("--out", metavar="FILE.json", help="write the profile here")
-    cal.add_argument("--procs", type=_positive, default=2, help="local processes to measure links over (default 2)")
+    cal.add_argument("--procs", type=positive_int, default=2, help="local processes to measure links over (default 2)")
     cal.set_defaults(handler=_cmd_calibrate)
 
 
