@@ -1,10 +1,13 @@
-"""Token ids outside the vocabulary are refused by the vocabulary-split embedding.
+"""Bad input is refused, never silent: token ids outside the vocabulary, bad degrees, a
+model transformed twice.
 
 Split over the vocabulary, every rank masks an id outside its rows, so an id outside the
 whole vocabulary would read a zero vector on every rank and the model would run silently
 wrong; the unsplit embedding raises ``IndexError``.  Over gloo at tp=2 (tiny Llama, 256
 ids): an id of 256 or -1 in eval and in training raises a ``TPError`` naming the module,
-the id and its position; the largest valid id still gives the unsplit model's logits.
+the id and its position; the largest valid id still gives the unsplit model's logits.  ``transform`` /
+``from_pretrained`` refuse a degree that is not an integer >= 1 before anything is traced
+or read, and ``transform`` / ``parallelize`` of an already transformed model name its tp.
 """
 
 from __future__ import annotations
@@ -44,9 +47,37 @@ def _ids(rank: int, world: int) -> dict:
     return {"err": err, "errors": errors}
 
 
+def _twice(rank: int, world: int) -> dict:
+    model = tpcompile.transform(_model(), tp=world)
+    errors = {}
+    for name, again in (("transform", lambda: tpcompile.transform(model, tp=world)),
+                        ("parallelize", lambda: tpcompile.parallelize(model, tp=world))):
+        try:
+            again()
+            errors[name] = None
+        except TPError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
-    return run_cases(2, {"ids": (_ids,)}, timeout=300)
+    return run_cases(2, {"ids": (_ids,), "twice": (_twice,)}, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_transformed_model_is_not_transformed_again(world2: CaseResults) -> None:
+    for errors in world2["twice"]:
+        for name, text in errors.items():
+            assert text is not None and "already transformed at tp=2" in text and "load it" in text, (name, text)
+
+
+@pytest.mark.parametrize("tp", [0, -2, "2", True, 1.5])
+def test_bad_degrees_are_refused_before_any_work(tp: object) -> None:
+    with pytest.raises(TPError, match=r"tp must be an integer >= 1, got"):
+        tpcompile.transform(_model(), tp=tp)
+    with pytest.raises(TPError, match=r"tp must be an integer >= 1, got"):
+        tpcompile.from_pretrained("no/such/dir", tp=tp)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from .checkpoint.hf import load_hf_weights
 from .checkpoint.pretrained import CheckpointLoader, check_checkpoint_dir, materialize_buffers
 from .checkpoint.pretrained import model_class as default_model_class
 from .compose import Job, compose, tensor_parallel
-from .config import resolve_config
+from .config import check_degree, resolve_config
 from .errors import TPError
 from .plan import Plan, check_plan, plan_model
 from .plan.context import check_context
@@ -107,6 +107,9 @@ def transform(
         >>> model.tpcompile_plan.params["lm_head.weight"].role.value
         'lm_head'
     """
+    check_degree("tp", tp)  # before anything is traced or meshed
+    check_degree("ep", ep)
+    _refuse_transformed(model)
     if backend not in _BACKENDS:
         raise TPError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     tp_mesh = tp_mesh_of(model, tp, mesh)
@@ -261,9 +264,7 @@ def parallelize(
     if not dist.is_available() or not dist.is_initialized():
         raise TPError("tpcompile.parallelize needs an initialized process group: launch with torchrun "
                       "and call torch.distributed.init_process_group() first")
-    if hasattr(model, "tpcompile_parallel") or hasattr(model, "tpcompile_plan"):
-        raise TPError("this model is already parallelized or transformed; pass the original model "
-                      "(parallelize applies tensor parallelism itself)")
+    _refuse_transformed(model)
     cfg = resolve_config(config, world_size=dist.get_world_size(), **explicit)
     if load_from is not None:
         check_checkpoint_dir(load_from)  # collective: fail on every rank before any work
@@ -304,6 +305,17 @@ def parallelize(
                        device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter,
                        replan=None if given else replan, stages=stages, bounds=bounds, whole_mesh=whole_mesh,
                        twin=twin))
+
+
+def _refuse_transformed(model: nn.Module) -> None:
+    """A transformed model's parameters are shards already: planning it again would shard
+    the shards."""
+    plan = getattr(model, "tpcompile_plan", None)
+    if plan is not None or hasattr(model, "tpcompile_parallel"):
+        at = f" at tp={plan.tp}" if plan is not None else ""
+        raise TPError(f"this model is already transformed{at}; to change the layout, save it "
+                      "(save_pretrained, or tpcompile.checkpoint.save) and load it at the new one "
+                      "(tpcompile.from_pretrained / parallelize(load_from=...)), or pass the original model")
 
 
 def _check_pipeline_options(cfg: Any) -> None:
@@ -364,6 +376,7 @@ def from_pretrained(path: str | os.PathLike, tp: int, *, model_class: type | Non
     """
     from transformers import AutoConfig, GenerationConfig
 
+    check_degree("tp", tp)  # before any file is read
 
     dtype = hf_kwargs.pop("dtype", None) or hf_kwargs.pop("torch_dtype", None)
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()

@@ -246,6 +246,11 @@ class ParallelConfig:
         return replace(self, dp_shard=shard, dp_replicate=rep, sharding_strategy=strategy)
 
 
+def check_degree(name: str, value: Any) -> None:
+    """A parallel degree given to a front door: an integer >= 1 (not a bool, not a string)."""
+    _check_int(name, value, minimum=1)
+
+
 def _check_int(name: str, value: Any, *, minimum: int, forbid: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value == forbid:
         lo, extra = (1, " (-1 = the rest of the world)") if minimum == -1 else (minimum, "")
