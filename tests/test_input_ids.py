@@ -8,6 +8,8 @@ ids): an id of 256 or -1 in eval and in training raises a ``TPError`` naming the
 the id and its position; the largest valid id still gives the unsplit model's logits.  ``transform`` /
 ``from_pretrained`` refuse a degree that is not an integer >= 1 before anything is traced
 or read, and ``transform`` / ``parallelize`` of an already transformed model name its tp.
+Different prompts on the ranks of a TP group are refused in eval forwards and
+``generate()`` as in training.
 """
 
 from __future__ import annotations
@@ -60,9 +62,36 @@ def _twice(rank: int, world: int) -> dict:
     return errors
 
 
+def _per_rank(rank: int, world: int) -> dict:
+    """Different prompts on the two ranks of a TP group: refused in an eval forward and in
+    generate(), as in training; the same prompts generate."""
+    errors = {}
+    for name in ("eval", "generate"):
+        model = tpcompile.transform(_model(), tp=world).eval()
+        ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(10 + rank))
+        try:
+            model(ids) if name == "eval" else model.generate(ids, max_new_tokens=2, do_sample=False)
+            errors[name] = None
+        except TPError as exc:
+            errors[name] = str(exc)
+    model = tpcompile.transform(_model(), tp=world).eval()
+    same = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(10))
+    tokens = model.generate(same, max_new_tokens=2, do_sample=False)[0].tolist()
+    return {"errors": errors, "tokens": tokens, "want": _model().eval().generate(same, max_new_tokens=2,
+                                                                                do_sample=False)[0].tolist()}
+
+
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
-    return run_cases(2, {"ids": (_ids,), "twice": (_twice,)}, timeout=300)
+    return run_cases(2, {"ids": (_ids,), "twice": (_twice,), "per_rank": (_per_rank,)}, timeout=300)
+
+
+@pytest.mark.slow
+def test_different_prompts_per_tp_rank_are_refused_in_eval_and_generate(world2: CaseResults) -> None:
+    for r in world2["per_rank"]:
+        for name, text in r["errors"].items():
+            assert text is not None and "different batches" in text, (name, text)
+        assert r["tokens"] == r["want"], r
 
 
 @pytest.mark.slow

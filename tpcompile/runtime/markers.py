@@ -7,8 +7,9 @@ sharded parameters, lets every rank into ``save_pretrained`` and defers FSDP2's 
 sync during gradient accumulation) and ``config.distributed_config`` (the tp / FSDP /
 replica degrees; never serialized into ``config.json``).  It also installs a guard that
 raises a :class:`~tpcompile.errors.TPError` if the ranks of a TP group receive different
-batches in their first training forwards (tensor parallelism needs identical inputs;
-without the guard a mis-sharded loader trains a silently wrong model).
+batches in their first training or eval forwards (tensor parallelism needs identical
+inputs; without the guard a mis-sharded loader trains a silently wrong model, and
+different prompts per rank generate garbage).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from ..errors import TPError
 
 __all__ = ["input_checksum", "mark_model", "mesh_degrees"]
 
-_GUARDED_FORWARDS = 2  # training forwards whose inputs are compared across the TP group
+# forwards whose inputs are compared across the TP group, in training and in eval mode
+# each (the first eval forward of generate() is its prompt)
+_GUARDED_FORWARDS = 2
 
 
 def mesh_degrees(model: nn.Module) -> tuple[int, int, int]:
@@ -66,17 +69,19 @@ def mark_model(model: nn.Module) -> None:
 
 
 class _InputGuard:
-    """Forward pre-hook: in the first training forwards, every rank of the TP group must
-    hold the same integer inputs (token ids, labels).  One all-gather of a few int64
-    checksums per checked forward; afterwards it costs nothing."""
+    """Forward pre-hook: in the first training forwards and the first eval forwards (an
+    evaluation loop, ``generate()``'s prompt), every rank of the TP group must hold the
+    same integer inputs (token ids, labels).  One all-gather of a few int64 checksums per
+    checked forward; afterwards it costs nothing."""
 
     def __init__(self) -> None:
-        self.left = _GUARDED_FORWARDS
+        self.left = {True: _GUARDED_FORWARDS, False: _GUARDED_FORWARDS}  # by model.training
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.left <= 0 or not model.training or not dist.is_initialized():
+        mode = bool(model.training)
+        if self.left[mode] <= 0 or not dist.is_initialized():
             return
-        self.left -= 1
+        self.left[mode] -= 1
         tensors = [t for t in (*args, *kwargs.values())
                    if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
         if not tensors:
