@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tpcompile.tools.launch import WorkerFailed, free_port, spawn_local
 
-__all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "run_cases", "run_distributed"]
+__all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "refusal", "run_cases", "run_distributed"]
 
 _TESTS_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _TESTS_DIR.parent
@@ -197,3 +197,15 @@ def global_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
     mean = loss.detach().clone()
     dist.all_reduce(mean)  # TP ranks agree; the mean over dp ranks is the global loss
     return mean.item() / dist.get_world_size()
+
+
+def refusal(attempt: Callable[[], Any]) -> str | None:
+    """The message of the ``TPError`` ``attempt()`` raises (``None``: it ran), for cases
+    that report what tpcompile refused; any other exception fails the case."""
+    from tpcompile import TPError
+
+    try:
+        attempt()
+    except TPError as exc:
+        return str(exc)
+    return None

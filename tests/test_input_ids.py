@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist import CaseResults, run_cases
+from dist import CaseResults, refusal, run_cases
 from transformers import AutoModelForCausalLM
 
 import tpcompile
@@ -41,25 +41,14 @@ def _ids(rank: int, world: int) -> dict:
         bad = ids.clone()
         bad[1, 3] = value
         model.train(training)
-        try:
-            model(input_ids=bad, labels=ids)
-            errors[name] = None
-        except TPError as exc:
-            errors[name] = str(exc)
+        errors[name] = refusal(lambda bad=bad: model(input_ids=bad, labels=ids))
     return {"err": err, "errors": errors}
 
 
 def _twice(rank: int, world: int) -> dict:
     model = tpcompile.transform(_model(), tp=world)
-    errors = {}
-    for name, again in (("transform", lambda: tpcompile.transform(model, tp=world)),
-                        ("parallelize", lambda: tpcompile.parallelize(model, tp=world))):
-        try:
-            again()
-            errors[name] = None
-        except TPError as exc:
-            errors[name] = str(exc)
-    return errors
+    return {"transform": refusal(lambda: tpcompile.transform(model, tp=world)),
+            "parallelize": refusal(lambda: tpcompile.parallelize(model, tp=world))}
 
 
 def _per_rank(rank: int, world: int) -> dict:
@@ -69,11 +58,8 @@ def _per_rank(rank: int, world: int) -> dict:
     for name in ("eval", "generate"):
         model = tpcompile.transform(_model(), tp=world).eval()
         ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(10 + rank))
-        try:
-            model(ids) if name == "eval" else model.generate(ids, max_new_tokens=2, do_sample=False)
-            errors[name] = None
-        except TPError as exc:
-            errors[name] = str(exc)
+        errors[name] = refusal(lambda model=model, ids=ids, name=name: model(ids) if name == "eval"
+                               else model.generate(ids, max_new_tokens=2, do_sample=False))
     model = tpcompile.transform(_model(), tp=world).eval()
     same = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(10))
     tokens = model.generate(same, max_new_tokens=2, do_sample=False)[0].tolist()

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist import CaseResults, run_cases
+from dist import CaseResults, refusal, run_cases
 from hf_grads import hf_grads
 from transformers import AutoModelForCausalLM
 
@@ -149,7 +149,6 @@ def _counting_forward(sm: torch.nn.Module, ran: dict[int, list[int]]) -> Any:
 
 
 def _refusals(rank: int, world: int) -> dict:
-    errors = {}
     attempts = {
         "encoder_decoder": lambda: tpcompile.parallelize(_t5(), pp=2),
         "zero_bubble": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zero_bubble"),
@@ -165,13 +164,7 @@ def _refusals(rank: int, world: int) -> dict:
     attempts["batch"] = lambda: tpcompile.pipeline_step(model, {k: v[:3] for k, v in _batch().items()})
     attempts["no_labels"] = lambda: tpcompile.pipeline_step(model, {"input_ids": _batch()["input_ids"]})
     attempts["trainer"] = lambda: _trainer(model).train()
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            errors[name] = None
-        except TPError as err:
-            errors[name] = str(err)
-    return errors
+    return {name: refusal(attempt) for name, attempt in attempts.items()}
 
 
 def _trainer(model: torch.nn.Module) -> Any:
