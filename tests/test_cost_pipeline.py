@@ -84,13 +84,26 @@ def test_dump_plan_pp_json_section(tmp_path: Path, capsys: pytest.CaptureFixture
     (["--pp", "2", "--pp-schedule", "interleaved_1f1b", "--pp-microbatches", "3"], "divisible by pp=2"),
     (["--pp", "2", "--batch", "6", "--seq", "16"], "does not split into 4 microbatches"),
     (["--pp-microbatches", "4"], "need --pp P"),
-    (["--pp", "2", "--cp", "2"], "cp > 1 is not supported"),
 ])
 def test_dump_plan_pp_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["dump-plan", "llama", "--tp", "2", "--layers", "4", *args]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.err.startswith("tpcompile: error: ")
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize(("args", "tokens"), [([], 64), (["--cp", "2"], 32), (["--sequence-parallel"], 32),
+                                             (["--cp", "4", "--sequence-parallel"], 8)])
+def test_dump_plan_pp_prices_the_hidden_state_as_it_crosses(args: list[str], tokens: int,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """With cp the boundary carries the rank's slice of the sequence (two of 2·cp chunks),
+    with sequence parallelism that slice split over tp (the runtime's crossing shape is
+    compared with this one at world 4 in test_pipeline)."""
+    assert main(["dump-plan", "llama", "--tp", "2", "--layers", "4", "--pp", "2", "--batch", "4", "--seq", "64",
+                 "--format", "json", *args]) == 0
+    p2p = json.loads(capsys.readouterr().out)["pipeline"]["p2p"]
+    assert p2p["hidden_shape"][:2] == [1, tokens]
+    assert p2p["forward_bytes"] == tokens * p2p["hidden_shape"][2] * 2  # bf16
 
 
 def test_large_vocabulary_moves_blocks_off_the_head_stage() -> None:

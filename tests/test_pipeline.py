@@ -11,8 +11,10 @@ the unsplit layout's; ``clip_grad_norm_`` gives the global norm; each stage's ac
 microbatch as run are within 10% of ``dump-plan --pp``'s estimate.  World 4: pp2 x tp2,
 pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch), with
 activation checkpointing, and mixtral at pp2 x ep2 (experts dispatched by all-to-all in
-every stage).  Refusals: an encoder-decoder, the split-backward schedules,
-sequence parallelism, a plain forward / ``generate()`` / the HF Trainer's own step, a
+every stage); pp2 x cp2 (llama, gemma2's windows and softcap) and pp2 x tp2 with sequence
+parallelism (llama eager, qwen3): the hidden state crosses at CP's slice / split over tp,
+the shape ``dump-plan --pp --cp`` prices.  Refusals: an encoder-decoder, the split-backward
+schedules, activation offloading, a plain forward / ``generate()`` / the HF Trainer's own step, a
 batch the microbatches do not divide, MoE load-balancing losses.
 """
 
@@ -86,7 +88,20 @@ def _exact(rank: int, world: int, family: str, layout: dict) -> dict:
     model = tpcompile.parallelize(_build(family, attn), **layout)
     got = _train(model, layout.get("tp", 1))
     out = _compare(got, _train(_build(family, attn), None))
-    out["stages"] = [s.index for s in model.tpcompile_pipeline.stages]
+    run = model.tpcompile_pipeline
+    out["stages"] = [s.index for s in run.stages]
+    # the hidden state as it crosses a boundary (CP's slice, SP's split) and as dump-plan prices it
+    out["crossing"] = list(run.shapes({k: v[:1] for k, v in _batch().items()}).hidden_shape)
+    cp = getattr(model, "tpcompile_context", None)
+    out["cp_paths"] = dict(cp.paths) if cp is not None else {}
+    if layout.get("cp", 1) > 1 or layout.get("sequence_parallel"):
+        from tpcompile.tools.cost_pipeline import estimate_pipeline
+
+        meta = _build(family, attn, meta=True)
+        plan = tpcompile.plan_model(meta, layout.get("tp", 1), sequence_parallel=layout.get("sequence_parallel",
+                                                                                            False))
+        out["priced"] = estimate_pipeline(meta, plan, pp=2, schedule=layout.get("pp_schedule"), microbatches=4,
+                                          batch=4, seq=16, cp=layout.get("cp", 1))["p2p"]["hidden_shape"]
     return out
 
 
@@ -152,7 +167,7 @@ def _refusals(rank: int, world: int) -> dict:
     attempts = {
         "encoder_decoder": lambda: tpcompile.parallelize(_t5(), pp=2),
         "zero_bubble": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zero_bubble"),
-        "sequence_parallel": lambda: tpcompile.parallelize(_build("llama"), pp=2, sequence_parallel=True),
+        "offloading": lambda: tpcompile.parallelize(_build("llama"), pp=2, activation_offloading=True),
         "router_loss": lambda: tpcompile.parallelize(_build("mixtral", output_router_logits=True), pp=2),
         "too_few_blocks": lambda: tpcompile.parallelize(_build("llama", layers=2), pp=2,
                                                         pp_schedule="interleaved_1f1b"),
@@ -222,6 +237,12 @@ WORLD4 = {
     "mixtral_pp2_dp2_ac": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4,
                                                "activation_checkpointing": True}),
     "mixtral_pp2_ep2": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "ep": 2, "pp_microbatches": 4}),
+    # the hidden state crosses at CP's local length / split by SP over tp
+    "llama_pp2_cp2": (_exact, "llama", {"pp": 2, "cp": 2, "pp_microbatches": 4}),
+    "gemma2_pp2_cp2_gpipe": (_exact, "gemma2", {"pp": 2, "cp": 2, "pp_microbatches": 4, "pp_schedule": "gpipe"}),
+    "llama_eager_pp2_tp2_sp": (_exact, "llama_eager", {"pp": 2, "tp": 2, "sequence_parallel": True,
+                                                       "pp_microbatches": 4, "pp_schedule": "1f1b"}),
+    "qwen3_pp2_tp2_sp": (_exact, "qwen3", {"pp": 2, "tp": 2, "sequence_parallel": True, "pp_microbatches": 4}),
 }
 
 
@@ -261,6 +282,13 @@ def test_pipeline_equals_one_process(world2: CaseResults, case: str) -> None:
 @pytest.mark.parametrize("case", sorted(WORLD4))
 def test_pipeline_composes_with_tp_and_fsdp2(world4: CaseResults, case: str) -> None:
     _check(world4[case])
+    _, _, layout = WORLD4[case]
+    for r in world4[case]:  # microbatches of 1 x 16 tokens
+        tokens = 16 // layout.get("cp", 1) // (layout.get("tp", 1) if layout.get("sequence_parallel") else 1)
+        assert r["crossing"][1] == tokens, r["crossing"]
+        if "priced" in r:
+            assert r["priced"] == r["crossing"], r
+        assert (sum(r["cp_paths"].values()) > 0) == (layout.get("cp", 1) > 1), r["cp_paths"]
 
 
 @pytest.mark.slow
@@ -293,7 +321,7 @@ def test_clip_grad_norm_is_the_global_norm(world2: CaseResults) -> None:
 def test_what_a_pipeline_cannot_take_is_refused_by_name(world2: CaseResults) -> None:
     for errors in world2["refusals"]:
         wanted = {"encoder_decoder": "encoder", "zero_bubble": "interleaved_1f1b",
-                  "sequence_parallel": "sequence_parallel", "router_loss": "output_router_logits",
+                  "offloading": "activation_offloading", "router_loss": "output_router_logits",
                   "too_few_blocks": "blocks", "bad_schedule": "pp_schedule", "forward": "pipeline_step",
                   "generate": "save_pretrained", "batch": "pp_microbatches", "no_labels": "labels",
                   "trainer": "pipeline_step"}

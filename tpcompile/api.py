@@ -322,8 +322,7 @@ def _check_pipeline_options(cfg: Any) -> None:
     """What pipeline parallelism does not compose with yet, refused before any work."""
     if cfg.pp == 1:
         return
-    unsupported = {"sequence_parallel": cfg.sequence_parallel, "cp > 1": cfg.cp > 1,
-                   "activation_offloading": cfg.activation_offloading,
+    unsupported = {"activation_offloading": cfg.activation_offloading,
                    "load_from_rank0 (fsdp_sync_module_states)": cfg.load_from_rank0}
     if cfg.pp_schedule is not None:
         from .plan.stages import schedule_spec
@@ -334,7 +333,7 @@ def _check_pipeline_options(cfg: Any) -> None:
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise TPError(f"pp={cfg.pp} with {', '.join(bad)} is not supported yet: pipeline parallelism composes "
-                      "with tp, ep, FSDP2 / HSDP, activation checkpointing and FP8; drop " + " and ".join(bad))
+                      "with tp, sequence parallelism, cp, ep, FSDP2 / HSDP, activation checkpointing and FP8; drop " + " and ".join(bad))
 
 
 def _is_default(value: Any, default: Any) -> bool:

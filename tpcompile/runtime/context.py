@@ -262,9 +262,19 @@ def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
 
     model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     model.register_forward_hook(post, with_kwargs=True)
+    run = getattr(model, "tpcompile_pipeline", None)
+    if run is not None:  # a pipeline's boundary carries this rank's slice of the sequence
+        run.localize.append(lambda mb: _local_view(cp, mb))
     cp.use_cache = bool(getattr(getattr(model, "config", None), "use_cache", True))
     model.tpcompile_context = cp
     return cp
+
+
+def _local_view(cp: ContextParallel, microbatch: dict[str, Any]) -> dict[str, Any]:
+    """``microbatch`` as this rank's model sees it after the split (shapes for the
+    pipeline's stage metadata; no collective: the batch check runs in training forwards)."""
+    with torch.no_grad():
+        return cp.split((), microbatch)[1]
 
 
 def register_attention(key: str, fn: Any) -> None:

@@ -27,7 +27,8 @@ gradients are reduce-scattered once per step.  The training step is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -80,13 +81,28 @@ class PipelineRun:
     weights: list[float] = field(default_factory=list)
     schedules: dict[Any, Any] = field(default_factory=dict)  # by microbatch shapes
     hidden_dtype: torch.dtype | None = None  # mixed precision's parameter dtype, if any
+    # what the parallelisms applied after the split change at a boundary: CP hands each
+    # rank its slice of the microbatch (``localize``: the microbatch as this rank's model
+    # sees it); SP sends the hidden state split along a dim (``splits``: (dim, ways)); a
+    # stage entered mid-stack tells SP its stream is open (``on_enter``: the first block's
+    # call, before the received state replaces the stand-in's)
+    localize: list[Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=list)
+    splits: list[tuple[int, int]] = field(default_factory=list)
+    on_enter: list[Callable[[tuple, dict], None]] = field(default_factory=list)
 
     def owns(self, stage: Stage) -> bool:
         return stage.rank == self.pp_rank
 
     def shapes(self, microbatch: dict[str, Any]) -> Boundaries:
-        """The block boundaries at this microbatch's shapes (a meta forward of the twin)."""
-        return probe_boundaries(self.twin, microbatch, self.bounds.blocks)
+        """The block boundaries at this microbatch's shapes (a meta forward of the twin on
+        what this rank's model sees), the hidden state's shape as it crosses (split)."""
+        for localize in self.localize:
+            microbatch = localize(microbatch)
+        bounds = probe_boundaries(self.twin, microbatch, self.bounds.blocks)
+        shape = list(bounds.hidden_shape)
+        for dim, ways in self.splits:
+            shape[dim] = -(-shape[dim] // ways)
+        return replace(bounds, hidden_shape=tuple(shape))
 
 
 class _Absent:
@@ -136,6 +152,8 @@ class _Enter:
         self._block, self._run = block, run
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for hook in self._run.on_enter:
+            hook(args, kwargs)
         slot = self._run.bounds.hidden_arg
         if isinstance(slot, int):
             args = (*args[:slot], self._run.received, *args[slot + 1:])

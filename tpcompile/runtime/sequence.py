@@ -120,11 +120,16 @@ def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, An
     wanted = {"on": True, "depth": 0}
     _watch_outputs_asked(model, [s.rpartition(".")[0] for s in seq.stacks], wanted)
     _guard_open_streams(model, streams)
+    # a pipeline stage holds some modules only: the others' hooks run on the ranks holding them
+    run = getattr(model, "tpcompile_pipeline", None)
     for stack, spec in seq.stacks.items():
-        _hook_stack(mods[spec.first], mods[spec.last], spec, streams[stack], wanted, group)
+        _hook_stack(mods.get(spec.first), mods.get(spec.last), spec, streams[stack], wanted, group, run)
     for name, gs in seq.grad_sum.items():
-        _sum_grads(mods[name], gs.params, streams[gs.stack], group)
+        if name in mods:
+            _sum_grads(mods[name], gs.params, streams[gs.stack], group)
     for name, region in seq.regions.items():
+        if name not in mods:
+            continue
         st = streams[region.stack]
         for out in region.split:
             if out.row and fused:
@@ -172,17 +177,24 @@ def _guard_open_streams(model: nn.Module, streams: dict[str, _Stream]) -> None:
     model.register_forward_hook(post)
 
 
-def _hook_stack(first: nn.Module, last: nn.Module, spec: StackPlan, st: _Stream, wanted: dict, group: Any) -> None:
-    """Split the stream entering the stack's first block, gather it leaving the last."""
+def _hook_stack(first: nn.Module | None, last: nn.Module | None, spec: StackPlan, st: _Stream, wanted: dict,
+                group: Any, run: Any = None) -> None:
+    """Split the stream entering the stack's first block, gather it leaving the last.
+    Under pipeline parallelism the split stream crosses stages as it is: a stage entered
+    mid-stack opens it (the received state is split already) and the state is sent split."""
     path, dim = spec.stream.path, spec.stream.dim
     output: TokenSlot = spec.output
 
-    def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def open_stream(args: tuple, kwargs: dict) -> bool:
         x = _get({"args": args, "kwargs": kwargs}, path)
         st.on = wanted["on"] and isinstance(x, torch.Tensor) and x.dim() > dim
-        if not st.on:
+        if st.on:
+            st.length, st.open = x.shape[dim], True
+        return st.on
+
+    def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not open_stream(args, kwargs):
             return args, kwargs
-        st.length, st.open = x.shape[dim], True
         return _map_call(args, kwargs, path, dim, lambda t, d: split_tokens(t, group, d))
 
     def last_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -193,8 +205,13 @@ def _hook_stack(first: nn.Module, last: nn.Module, spec: StackPlan, st: _Stream,
         st.open = False
         return _map_out(out, output.path, output.dim, lambda t, d: gather_tokens(t, group, d, st.length))
 
-    first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
-    last.register_forward_hook(last_post, with_kwargs=True)
+    if run is not None and spec.first.startswith(run.plan.stack + "."):
+        run.on_enter.append(open_stream)  # the stand-in's full-length state sets the length
+        run.splits.append((dim, comm.group_size(group)))
+    if first is not None:
+        first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
+    if last is not None:
+        last.register_forward_hook(last_post, with_kwargs=True)
 
 
 def _leaver(st: _Stream, group: Any, dim: int) -> Any:

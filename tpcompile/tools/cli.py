@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--seq", type=positive_int, help="sequence length, for the cost section")
     dump.add_argument("--cp", type=positive_int, default=1,
                       help="price context parallelism over this many ranks (parallelize(cp=...))")
+    dump.add_argument("--sequence-parallel", action="store_true",
+                      help="plan with sequence_parallel=True (the residual stream split by tokens over --tp; "
+                           "with --pp: the hidden state crosses stages split)")
     dump.add_argument("--fp8", action="store_true",
                       help="price FP8 projections (fp8=True): their amax all-reduces and, with --dp-shard, "
                            "FSDP2's FP8 all-gathers (1 byte per element) and their scale all-reduce; with --auto: "
@@ -250,7 +253,7 @@ def _cmd_dump_plan(args: argparse.Namespace) -> int:
         _check_pipeline_flags(args)  # before the model is built: a bad flag fails fast
         model = _build_model(args)
         t_built = time.perf_counter()
-        plan = plan_model(model, args.tp)
+        plan = plan_model(model, args.tp, sequence_parallel=args.sequence_parallel and args.tp > 1)
     except _UsageError as exc:
         return _fail(str(exc))
     except TPError as exc:
@@ -297,9 +300,6 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
         return
     if args.table:
         raise _UsageError("--table prints the HF ⇄ per-rank translation table; drop --pp or --table")
-    if args.cp > 1:  # parallelize refuses it: pipeline stages do not split sequences yet
-        raise _UsageError(f"pp={args.pp} with cp > 1 is not supported yet: pipeline parallelism composes with tp, "
-                          "FSDP2 / HSDP, activation checkpointing and FP8; drop --cp")
     if args.pp_schedule is not None:
         from ..plan.stages import schedule_spec
 
@@ -317,7 +317,7 @@ def _estimate_pipeline(model: nn.Module, plan: Plan, args: argparse.Namespace) -
 
     return estimate_pipeline(model, plan, pp=args.pp, schedule=args.pp_schedule, microbatches=args.pp_microbatches,
                              virtual=args.pp_virtual or 2, batch=args.batch, seq=args.seq,
-                             dp_shard=args.dp_shard, fp8=args.fp8)
+                             dp_shard=args.dp_shard, fp8=args.fp8, cp=args.cp)
 
 
 def _write(text: str) -> None:

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -215,7 +216,7 @@ def _check(pp: int, batch: int | None, seq: int | None, microbatches: int) -> No
 
 def estimate_pipeline(model: nn.Module, plan: Plan, *, pp: int, schedule: str | None = None,
                       microbatches: int | None = None, virtual: int = 2, batch: int | None = None,
-                      seq: int | None = None, dp_shard: int = 1, fp8: bool = False) -> dict[str, Any]:
+                      seq: int | None = None, dp_shard: int = 1, fp8: bool = False, cp: int = 1) -> dict[str, Any]:
     """The ``pipeline`` section of ``dump-plan --pp``: the stages ``parallelize(pp=...)``
     would build for ``model`` (meta) under ``plan`` (its ``tp``), priced per stage and rank.
 
@@ -227,6 +228,10 @@ def estimate_pipeline(model: nn.Module, plan: Plan, *, pp: int, schedule: str | 
         batch, seq: sequences per step (split into ``microbatches``) and their length;
             without them p2p bytes are per token and activations are left out.
         dp_shard: FSDP2's shard degree (divides parameter bytes); fp8: FP8 projections.
+        cp: context parallelism: each rank's stages run on its slice of the sequence
+            (activations as :func:`~.cost.estimate_activations` prices them at ``cp``),
+            and the hidden state crosses a boundary at that slice's length, split again
+            over ``tp`` under sequence parallelism (a plan with a ``sequence`` section).
 
     Returns a JSON-able dict: ``stages`` (blocks, modules, params, bytes per rank, FLOPs,
     activations per microbatch and in flight), ``p2p``, ``bubble``, ``ranks`` (memory per
@@ -249,13 +254,14 @@ def estimate_pipeline(model: nn.Module, plan: Plan, *, pp: int, schedule: str | 
     inputs = {"input_ids": torch.zeros(*probe, dtype=torch.long)}
     sp, bounds = plan_pipeline(model, list(plan.blocks), pp=pp, schedule=schedule, virtual=virtual,
                                microbatches=m, seq=probe[1], inputs=inputs)
-    hidden = math.prod(bounds.hidden_shape) * bounds.hidden_dtype.itemsize  # one microbatch
+    bounds = replace(bounds, hidden_shape=_crossing_shape(bounds, plan, cp, probe[1]))
+    hidden = math.prod(bounds.hidden_shape) * bounds.hidden_dtype.itemsize  # one microbatch, as sent
     notes = []
     acts = stacks = None
     if batch is not None:
         cap = capture(model)
         stacks = cap.stacks
-        acts = estimate_activations(model, plan, batch=probe[0], seq=seq, fp8=fp8, cap=cap)
+        acts = estimate_activations(model, plan, batch=probe[0], seq=seq, fp8=fp8, cap=cap, cp=cp)
         if acts["bytes"] is None:
             notes.append(f"activation estimate unavailable: {acts['error']}")
     else:
@@ -294,6 +300,25 @@ def _stage_entry(sp: StagePlan, s: Stage, params: dict[int, tuple[str, int, int,
             "params": sum(v[1] for v in params.values()), "param_bytes_per_rank": sum(v[2] for v in params.values()),
             "flops_per_token": s.flops_per_token, "in_flight": n, "activation_bytes_per_microbatch": act,
             "activation_bytes_in_flight": None if act is None else act * n}
+
+
+def _crossing_shape(bounds: Any, plan: Plan, cp: int, seq: int) -> tuple[int, ...]:
+    """The hidden state's shape as a rank sends it: its token dim cut to CP's local
+    length (the sequence padded to ``2·cp`` chunks, two per rank) and, under sequence
+    parallelism, that length split over ``tp`` (padded to a multiple of it), as
+    :mod:`~tpcompile.runtime.context` and :mod:`~tpcompile.runtime.sequence` cut it."""
+    stacks = plan.sequence.stacks if plan.sequence else {}
+    spec = next((st for st in stacks.values() if st.first.startswith(bounds.stack + ".")), None)
+    dim = spec.stream.dim if spec is not None else 1
+    shape = list(bounds.hidden_shape)
+    if shape[dim] != seq:
+        raise TPError(f"the hidden state crossing a stage boundary has shape {tuple(shape)}: no token dim of "
+                      f"{seq} at dim {dim}")
+    if cp > 1:
+        shape[dim] = -(-seq // (2 * cp)) * 2
+    if spec is not None and plan.tp > 1:
+        shape[dim] = -(-shape[dim] // plan.tp)
+    return tuple(shape)
 
 
 def _p2p(bounds: Any, boundaries: int, microbatches: int, probe: tuple[int, int], sized: bool) -> dict[str, Any]:

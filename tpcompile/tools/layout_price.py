@@ -221,7 +221,8 @@ class Pricer:
 
             frac = bubble_fraction(lay.pp_schedule, lay.pp, lay.pp_virtual, m)
             t["bubble"] = frac / (1 - frac) * best["busy"]
-            hop = collective_time("p2p", 2, tokens * mf.hidden_bytes_per_token, link["pp"])
+            sent = tokens * mf.hidden_bytes_per_token / (lay.tp if lay.sequence_parallel else 1)  # as split
+            hop = collective_time("p2p", 2, sent, link["pp"])
             t["p2p"] = 2 * (lay.pp * lay.pp_virtual - 1) * hop
         t["total"] = sum(t.values())
         model_flops = 3 * mf.model_flops_per_token * self.batch * mf.seq

@@ -12,9 +12,10 @@ model admits (each refusal is counted under its reason):
   per-rank batch;
 * ``cp`` splits every sequence into ``2 cp`` chunks; ``ep`` divides the experts and
   ``dp_shard``; ``batch`` divides over ``dp_shard x dp_replicate``;
-* what ``parallelize`` refuses today is not searched: pp with cp, ep or sequence
-  parallelism; sequence parallelism needs ``tp > 1`` and a plan that splits a stack;
-  FP8 needs an FP8 rate in the profile and projections FP8 can run.
+* what ``parallelize`` refuses is not searched: sequence parallelism needs ``tp > 1``
+  and a plan that splits a stack; FP8 needs an FP8 rate in the profile and projections
+  FP8 can run.  Every parallelism composes with pp (the hidden state crosses a stage
+  boundary at CP's slice, split over tp under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -129,9 +130,8 @@ def _candidates(mf: Any, facts: dict[int, TPFacts], pricer: Pricer, ok: dict, *,
                 _refuse(refused, f"pp > 1: {mf.pp_refused}")
                 continue
             for cp in _divisors(gpus // tp // pp):
-                if cp > 1 and (not ok["cp"] or pp > 1 or seq % (2 * cp)):
-                    _refuse(refused, "cp > 1 with pp > 1 (parallelize does not compose them yet)" if pp > 1 and
-                            ok["cp"] else f"cp={cp}: the sequence of {seq} does not split into 2 x cp chunks"
+                if cp > 1 and (not ok["cp"] or seq % (2 * cp)):
+                    _refuse(refused, f"cp={cp}: the sequence of {seq} does not split into 2 x cp chunks"
                             if ok["cp"] else "cp: not admitted (see notes)")
                     continue
                 dp = gpus // (tp * pp * cp)
@@ -148,9 +148,9 @@ def _candidates(mf: Any, facts: dict[int, TPFacts], pricer: Pricer, ok: dict, *,
 def _variants(f: TPFacts, ok: dict, tp: int, pp: int, cp: int, dp: int, pipes: list) -> Any:
     for dr in _divisors(dp):
         ds = dp // dr
-        eps = [1] + [e for e in _divisors(ds) if e > 1 and f.experts and f.experts % e == 0 and pp == 1]
+        eps = [1] + [e for e in _divisors(ds) if e > 1 and f.experts and f.experts % e == 0]
         for ep in eps:
-            for sp in (False, True) if ok["sp"] and tp > 1 and pp == 1 else (False,):
+            for sp in (False, True) if ok["sp"] and tp > 1 else (False,):
                 for ac in (False, True):
                     for fp8 in (False, True) if ok["fp8"] else (False,):
                         for name, v, m in pipes:
