@@ -9,10 +9,15 @@ the id and its position; the largest valid id still gives the unsplit model's lo
 ``from_pretrained`` refuse a degree that is not an integer >= 1 before anything is traced
 or read, and ``transform`` / ``parallelize`` of an already transformed model name its tp.
 Different prompts on the ranks of a TP group are refused in eval forwards and
-``generate()`` as in training.
+``generate()`` as in training.  A label outside the vocabulary that is not -100 is
+refused by the default and the loss-parallel loss (the unsplit model's cross-entropy
+raises ``IndexError``), and ids are checked under sequence parallelism and with a LoRA
+adapter on the split embedding.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +50,46 @@ def _ids(rank: int, world: int) -> dict:
     return {"err": err, "errors": errors}
 
 
+def _labels(rank: int, world: int) -> dict:
+    """Labels outside the vocabulary (and not -100) under the default and the
+    loss-parallel loss; ids outside it under sequence parallelism and with a LoRA adapter
+    on the split embedding.  The unsplit model raises in each case (``ref``)."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    errors, ref = {}, {}
+    models = {"local": tpcompile.transform(_model(), tp=world),
+              "loss_parallel": tpcompile.transform(_model(), tp=world, loss_parallel=True)}
+    for kind, model in models.items():
+        for value in (300, -5, 256):
+            labels = ids.clone()
+            labels[1, 3] = value
+            errors[f"{kind} {value}"] = refusal(lambda m=model, labels=labels: m(input_ids=ids, labels=labels))
+            ref[f"{kind} {value}"] = _raises(lambda labels=labels: _model()(input_ids=ids, labels=labels))
+    ignored = ids.clone()
+    ignored[1, 3], ignored[0, 0] = -100, 300  # ignore_index, and a first label (never a target): accepted
+    loss = models["local"](input_ids=ids, labels=ignored).loss.item()
+    want = _model()(input_ids=ids, labels=ignored).loss.item()
+    bad = ids.clone()
+    bad[1, 3] = 300
+    sp = tpcompile.transform(_model(), tp=world, sequence_parallel=True)
+    lora = get_peft_model(_model(), LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    lora = tpcompile.transform(lora, tp=world)
+    for name, model in (("sp", sp), ("lora", lora)):
+        errors[name] = refusal(lambda m=model: m(input_ids=bad, labels=ids))
+    ref["ids"] = _raises(lambda: _model()(input_ids=bad))
+    return {"errors": errors, "ref": ref, "loss": loss, "want": want}
+
+
+def _raises(attempt: Any) -> str | None:
+    """The exception type the unsplit model raises (None: it does not)."""
+    try:
+        attempt()
+    except Exception as exc:  # noqa: BLE001 - the unsplit model's own error, whatever it is
+        return type(exc).__name__
+    return None
+
+
 def _twice(rank: int, world: int) -> dict:
     model = tpcompile.transform(_model(), tp=world)
     return {"transform": refusal(lambda: tpcompile.transform(model, tp=world)),
@@ -69,7 +114,8 @@ def _per_rank(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
-    return run_cases(2, {"ids": (_ids,), "twice": (_twice,), "per_rank": (_per_rank,)}, timeout=300)
+    return run_cases(2, {"ids": (_ids,), "twice": (_twice,), "per_rank": (_per_rank,), "labels": (_labels,)},
+                     timeout=300)
 
 
 @pytest.mark.slow
@@ -103,3 +149,24 @@ def test_ids_outside_the_vocabulary_are_refused(world2: CaseResults) -> None:
             text = r["errors"][name]
             assert text is not None and "model.embed_tokens" in text and f"token id {value}" in text, (name, text)
             assert "position [1, 3]" in text and "[0, 256)" in text, text
+
+
+@pytest.mark.slow
+def test_labels_outside_the_vocabulary_are_refused(world2: CaseResults) -> None:
+    for r in world2["labels"]:
+        assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r  # -100 and the first label pass
+        for kind in ("local", "loss_parallel"):
+            for value in (300, -5, 256):
+                text = r["errors"][f"{kind} {value}"]
+                assert text is not None and f"label {value} at position [1, 3]" in text, (kind, value, text)
+                assert "[0, 256)" in text and "ignore_index" in text, text
+                assert r["ref"][f"{kind} {value}"] == "IndexError", r["ref"]
+
+
+@pytest.mark.slow
+def test_ids_outside_the_vocabulary_are_refused_under_sp_and_peft(world2: CaseResults) -> None:
+    for r in world2["labels"]:
+        assert r["ref"]["ids"] == "IndexError", r["ref"]
+        for name in ("sp", "lora"):
+            text = r["errors"][name]
+            assert text is not None and "token id 300" in text and "position [1, 3]" in text, (name, text)

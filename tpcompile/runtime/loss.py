@@ -193,19 +193,40 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+def check_labels(labels: Tensor, vocab: int, ignore_index: int, what: str, shift: int = 0) -> None:
+    """Refuse a label outside ``[0, vocab)`` that is not ``ignore_index``, as the unsplit
+    model's cross-entropy does ("Target ... is out of bounds"): split over the vocabulary,
+    no shard owns it.  No collective: a TP group's ranks hold the same labels (the input
+    guard checks it); on CUDA the check is asynchronous (no host sync in the step).
+    ``shift`` is added to the reported last index (``labels`` a shifted view)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if labels.is_cuda:
+        torch._assert_async(~bad.any(), f"a label is outside the vocabulary [0, {vocab})")
+        return
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        shown = [*where[:-1], where[-1] + shift] if where else []  # ``shift``: ``labels`` is the caller's [..., shift:]
+        raise TPError(f"{what}: label {int(labels[where])} at position {shown} is outside the vocabulary "
+                      f"[0, {vocab}) and is not ignore_index ({ignore_index}); the unsplit model's cross-entropy "
+                      "raises here. Mask such positions with -100, or resize the embeddings for added tokens")
+
+
 def _check_labels_owned(owners: Tensor, valid: Tensor, labels: Tensor) -> None:
     """Every non-ignored label must live in exactly one shard's real columns.
 
     ``owners`` is identical on all ranks (it was all-reduced), so either every rank
-    raises or none does; no rank is left waiting in a later collective.
+    raises or none does; no rank is left waiting in a later collective.  A label inside
+    the vocabulary (:func:`check_labels` ran first) owned by no shard or by two means the
+    group's ranks were handed different labels, or shards that overlap.
     """
     bad = owners != valid.to(owners.dtype)
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"label {int(labels[first])} at flat position {first} is not a valid vocab id: "
-            f"it is owned by {int(owners[first])} shards instead of 1 (out of range, in "
-            "vocab padding, or shards overlap)"
+        raise TPError(
+            f"label {int(labels[first])} at flat position {first} is owned by {int(owners[first])} vocabulary "
+            "shards instead of 1: the ranks of the tensor-parallel group were handed different labels (every "
+            "rank of a TP group must get the same batch: load the slice tpcompile.data_parallel_rank(model) "
+            "names), or the shards overlap"
         )
 
 
@@ -246,10 +267,13 @@ def vocab_parallel_cross_entropy(
         dtype; the logits gradient is returned in the logits dtype.
 
     Raises:
-        ValueError: on malformed arguments, or (on every rank alike) when a
-            non-ignored label does not fall in exactly one shard's real columns.
+        ValueError: on malformed arguments; ``TPError`` (a ``ValueError``) for a
+            non-ignored label outside ``[0, vocab_size)`` (no collective), or (on every
+            rank alike) one that does not fall in exactly one shard's real columns.
     """
     _validate(logits, labels, vocab_start, vocab_size, reduction)
+    check_labels(labels, vocab_size if vocab_size is not None else logits.shape[-1] * dist.get_world_size(group),
+                 ignore_index, "labels")
     num_valid = _num_valid_columns(logits.shape[-1], vocab_start, vocab_size)
     return _VocabParallelCrossEntropy.apply(
         logits, labels, group, vocab_start, num_valid, ignore_index, reduction
@@ -283,6 +307,7 @@ def loss_parallel_causal_lm_loss(
         raise ValueError(
             f"causal-LM logits must be [..., T, V_local], got shape {tuple(logits.shape)}"
         )
+    total = vocab_size if vocab_size is not None else logits.shape[-1] * dist.get_world_size(group)
     if shift_labels is None:
         labels = labels.to(logits.device)
         if tuple(labels.shape) != tuple(logits.shape[:-1]):
@@ -290,7 +315,10 @@ def loss_parallel_causal_lm_loss(
                 f"labels shape {tuple(labels.shape)} must equal logits shape without the "
                 f"vocab dim {tuple(logits.shape[:-1])}"
             )
+        check_labels(labels[..., 1:], total, ignore_index, "labels", shift=1)  # the first is never a target
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    else:
+        check_labels(shift_labels, total, ignore_index, "shift_labels")
     shift_labels = shift_labels.to(logits.device).contiguous()
 
     reduction = "mean" if num_items_in_batch is None else "sum"
