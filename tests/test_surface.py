@@ -29,7 +29,7 @@ PUBLIC = {
     "tpcompile.runtime": ["OffloadHandle", "OffloadStats", "ParallelDims", "checkpoint_blocks",
                           "data_parallel_rank", "offload_activations", "gather_sequence"],
     "tpcompile.checkpoint": ["SaveHandle", "hf_state_dict", "latest", "load", "load_hf_weights", "save",
-                             "save_pretrained"],
+                             "save_pretrained", "saved_layout"],
     "tpcompile.integrations": ["STATE_DIR", "TPTrainerCallback", "TrainerSupport", "data_mesh", "prepare",
                                "support_trainers"],
     "tpcompile.tools": ["WorkerFailed", "calibrate", "estimate_cost", "free_port", "plan_layout", "shrink_config",
@@ -69,9 +69,11 @@ STAGES = [
     ("tpcompile.runtime",),
     ("tpcompile.checkpoint",),
     ("tpcompile.integrations",),
-    ("tpcompile.compose", "tpcompile.api", "tpcompile"),
+    ("tpcompile.compose", "tpcompile.api"),
     ("tpcompile.smp",),
-    ("tpcompile.tools", "tpcompile.__main__"),
+    # the package itself is the front door: it re-exports every stage's public names and
+    # imports the tools package, whose import installs the layout search
+    ("tpcompile.tools", "tpcompile.__main__", "tpcompile"),
 ]
 # the one allowed exception: a deprecated alias, resolved lazily (removed next release)
 ALLOWED_UPWARD = {("tpcompile.checkpoint", "tpcompile.api")}

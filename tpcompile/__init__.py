@@ -11,7 +11,10 @@ outside by one composer in a fixed order (:mod:`tpcompile.compose`,
 
 from __future__ import annotations
 
-from . import _moved
+# the front door assembles every stage, the tools' one hook included: importing the tools
+# package (cheap: its modules load on first use) installs the layout search that
+# parallelize(layout="auto") runs (tpcompile.plan.layout), so ``import tpcompile`` suffices
+from . import _moved, tools  # noqa: F401
 from .api import data_parallel_rank, from_pretrained, parallelize, plan_model, transform
 from .checkpoint import hf_state_dict, load_hf_weights, save_pretrained
 from .config import ParallelConfig

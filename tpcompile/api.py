@@ -8,8 +8,9 @@ which applies the parallelisms in one fixed order (:mod:`tpcompile.compose`).
 from __future__ import annotations
 
 import inspect
+import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +29,14 @@ from .config import check_degree, resolve_config
 from .errors import TPError
 from .plan import Plan, check_plan, plan_model
 from .plan.context import check_context
+from .plan.layout import (
+    LAYOUT_KEYS,
+    Layout,
+    check_layout_request,
+    layout_keywords,
+    layout_record,
+    layout_search,
+)
 from .rules import default_rules
 from .runtime.backend import BACKENDS as _BACKENDS
 from .runtime.backend import make_backend
@@ -36,6 +45,8 @@ from .runtime.mesh import ParallelDims, data_parallel_rank, device_type
 from .runtime.mesh import tp_mesh as tp_mesh_of
 
 __all__ = ["data_parallel_rank", "from_pretrained", "parallelize", "plan_model", "transform"]
+
+_log = logging.getLogger("tpcompile")
 
 
 def transform(
@@ -97,9 +108,11 @@ def transform(
             Default choice: the linears the plan splits, dims multiples of 16 (not the LM
             head, not routers); ``fp8_filter(module, fqn)`` chooses instead.
 
-    The result carries ``model.tpcompile_plan`` (the :class:`Plan`) and
+    The result carries ``model.tpcompile_plan`` (the :class:`Plan`),
     ``model.tpcompile_table`` (the :class:`~tpcompile.plan.TranslationTable`
-    between HF and per-rank layouts, used by every checkpoint function).
+    between HF and per-rank layouts, used by every checkpoint function) and
+    ``model.tpcompile_layout`` (the layout as JSON, ``source`` ``"transform"``; see
+    :func:`parallelize`).
 
     Example:
         >>> dist.init_process_group("gloo")                       # doctest: +SKIP
@@ -122,9 +135,14 @@ def transform(
         return plan_model(adapted, tp, loss_parallel=loss_parallel, rules=rules, overrides=overrides, strict=strict,
                           example_inputs=example_inputs, sequence_parallel=sequence_parallel, ep=ep)
 
-    return tensor_parallel(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=be,
-                               rank0_weights=load_state_dict_from_rank0, replan=None if given else replan,
-                               fp8=fp8, fp8_filter=fp8_filter))
+    out = tensor_parallel(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=be,
+                              rank0_weights=load_state_dict_from_rank0, replan=None if given else replan,
+                              fp8=fp8, fp8_filter=fp8_filter))
+    # no FSDP: the ranks outside a TP group are the caller's data parallelism
+    values = {**Layout().record_keywords(), "tp": tp, "ep": plan.ep, "sequence_parallel": bool(plan.sequence),
+              "fp8": fp8}
+    model.tpcompile_layout = layout_record(values, source="transform", world=_world())
+    return out
 
 
 def _resolve_plan(model: nn.Module, tp: int, plan: Plan | None, *, loss_parallel: bool, sequence_parallel: bool,
@@ -174,6 +192,10 @@ def parallelize(
     pp_schedule: str | None = None,
     pp_microbatches: int | None = None,
     pp_virtual: int = 2,
+    layout: str | Layout | Mapping[str, Any] | None = None,
+    hardware: Any = None,
+    seq: int | None = None,
+    batch: int | None = None,
 ) -> nn.Module:
     """Tensor-parallel + FSDP2 (+ activation checkpointing/offloading) in one call, in place.
 
@@ -235,12 +257,35 @@ def parallelize(
         pp_microbatches: microbatches per step (``None``: ``2 x pp``); the batch size
             must divide by it.
         pp_virtual: stages per rank of the interleaved and zero-bubble schedules.
+        layout: ``"auto"``: apply the fastest layout that fits this job (tp, pp and its
+            schedule and microbatches, cp, ep, dp_shard, dp_replicate, sequence
+            parallelism, activation checkpointing), as
+            :func:`tpcompile.tools.plan_layout` ranks them for the world size, on
+            ``hardware`` at ``batch`` x ``seq``; rank 0 searches, every rank applies its
+            choice, logged at info level on the ``tpcompile`` logger (``import tpcompile``
+            installs the search from :mod:`tpcompile.tools`). Leaves the degree keywords
+            (and ``sharding_strategy``, ``plan``) unset. Or a stored layout to apply
+            again: a ``Layout``, or a dict of its keywords
+            (``model.tpcompile_layout["parallelize"]``, or the whole record).
+        hardware: with ``layout="auto"``: a built-in profile (``h100-80gb``, ``h200``,
+            ``a100-80gb``, ``b200``, ``cpu``), a profile JSON file or a
+            ``HardwareProfile``; default: the CUDA device's profile (an unknown GPU
+            raises), ``cpu`` without CUDA. Nodes hold ``LOCAL_WORLD_SIZE`` ranks when it
+            is set, else the profile's ``gpus_per_node``.
+        seq: with ``layout="auto"`` (required): tokens per sequence.
+        batch: with ``layout="auto"``: sequences per optimizer step over the whole job
+            (default: the world size).
 
-    Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh) and
-    ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`);
-    with ``load_from``, ``model.tpcompile_load_stats`` holds this rank's
-    ``{"bytes_read", "tensors"}``. ``model.tpcompile_table`` (the HF translation table every
-    checkpoint function reads) exists at ``tp=1`` too.
+    Returns the model, with ``model.tpcompile_mesh`` (the 3-D mesh),
+    ``model.tpcompile_parallel`` (the resolved :class:`~tpcompile.config.ParallelConfig`)
+    and ``model.tpcompile_layout``: the layout applied as JSON (``parallelize`` — every
+    degree keyword as applied, pass it back as ``layout=`` — ``label``, ``source``,
+    ``world``; with ``"auto"`` also ``hardware``, ``gpus``, ``gpus_per_node``, ``seq``,
+    ``batch``, ``dtype`` and ``predicted`` step seconds and memory bytes per rank), which
+    ``tpcompile.checkpoint.save`` stores too. With ``load_from``,
+    ``model.tpcompile_load_stats`` holds this rank's ``{"bytes_read", "tensors"}``.
+    ``model.tpcompile_table`` (the HF translation table every checkpoint function reads)
+    exists at ``tp=1`` too.
 
     Example:
         >>> dist.init_process_group("gloo")                       # doctest: +SKIP
@@ -252,6 +297,10 @@ def parallelize(
         >>> with torch.device("meta"):                           # load, never initialize
         ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         >>> model = tpcompile.parallelize(model, tp=2, load_from=path)
+        >>> model = tpcompile.parallelize(llama_70b, layout="auto", seq=8192)   # on 64 H100s
+        >>> model.tpcompile_layout["label"], round(model.tpcompile_layout["predicted"]["step_seconds"], 1)
+        ('tp2 pp8:1f1b/m64 cp4 sp', 10.0)
+        >>> twin = tpcompile.parallelize(twin, layout=model.tpcompile_layout["parallelize"])  # the same again
     """
     given = dict(tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
                  sharding_strategy=sharding_strategy,
@@ -261,10 +310,17 @@ def parallelize(
                  fp8=fp8, pp=pp, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_virtual=pp_virtual)
     defaults = {k: p.default for k, p in inspect.signature(parallelize).parameters.items()}
     explicit = {k: v for k, v in given.items() if not _is_default(v, defaults[k])}
+    check_layout_request(layout, explicit=explicit, options={"hardware": hardware, "seq": seq, "batch": batch},
+                         plan_given=plan is not None)
     if not dist.is_available() or not dist.is_initialized():
         raise TPError("tpcompile.parallelize needs an initialized process group: launch with torchrun "
                       "and call torch.distributed.init_process_group() first")
     _refuse_transformed(model)
+    search = None
+    if isinstance(layout, str):  # "auto": the only string check_layout_request lets through
+        search = _choose_layout(model, hardware=hardware, seq=seq, batch=batch)
+    if layout is not None:  # every degree passed, defaults too: a config setting another one raises
+        explicit.update(layout_keywords(search if search is not None else layout))
     cfg = resolve_config(config, world_size=dist.get_world_size(), **explicit)
     if load_from is not None:
         check_checkpoint_dir(load_from)  # collective: fail on every rank before any work
@@ -301,10 +357,54 @@ def parallelize(
     def replan(adapted: nn.Module) -> Plan:  # modules added later (adapters) are planned the same way
         return plan_model(adapted, cfg.tp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)
 
-    return compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
-                       device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter,
-                       replan=None if given else replan, stages=stages, bounds=bounds, whole_mesh=whole_mesh,
-                       twin=twin))
+    out = compose(Job(model=model, plan=plan, tp_mesh=tp_mesh, backend=backend, mesh=mesh, cfg=cfg,
+                      device=device, pending=pending, fp8=cfg.fp8, fp8_filter=fp8_filter,
+                      replan=None if given else replan, stages=stages, bounds=bounds, whole_mesh=whole_mesh,
+                      twin=twin))
+    values = {k: getattr(cfg, k) for k in LAYOUT_KEYS}
+    if stages is not None:  # the schedule the stages were planned for (None given: the default one)
+        values.update(pp_schedule=stages.schedule, pp_microbatches=stages.microbatches, pp_virtual=stages.virtual)
+    source = "auto" if search is not None else "layout" if layout is not None else cfg.source
+    model.tpcompile_layout = layout_record(values, source=source, world=dist.get_world_size(), search=search)
+    return out
+
+
+def _choose_layout(model: nn.Module, *, hardware: Any, seq: int | None, batch: int | None) -> dict[str, Any]:
+    """``layout="auto"``: rank 0 runs the installed search and broadcasts its choice.
+
+    Every rank must build the same layout or the first collective deadlocks; each rank
+    searching for itself would agree only if their profiles, environments and library
+    versions do, so one rank decides.  Its failure travels the same way: every rank
+    raises, none waits in a collective for a rank that gave up."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and not local.strip().isdigit():
+        raise TPError(f"LOCAL_WORLD_SIZE={local!r} is not a rank count; layout='auto' reads it as the ranks "
+                      "per node")
+    job = {"gpus": dist.get_world_size(), "gpus_per_node": int(local) if local else None, "hardware": hardware,
+           "batch": batch, "seq": seq, "device": device_type(model)}
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("chosen", layout_search()(model, **job))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised here
+            failure = exc
+            box[0] = ("failed", str(exc) if isinstance(exc, TPError) else f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if failure is not None:
+        raise failure
+    if kind == "failed":
+        raise TPError(value)
+    pred = value["predicted"]
+    _log.info("parallelize(layout='auto'): %s on %d x %s at batch %d x seq %d: predicted step %.4g s, "
+              "%.3g GiB per rank", value["label"], job["gpus"], value["hardware"], value["batch"], seq,
+              pred["step_seconds"], pred["memory_bytes"] / 2**30)
+    return value
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _refuse_transformed(model: nn.Module) -> None:

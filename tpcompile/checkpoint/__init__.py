@@ -4,7 +4,8 @@
   :func:`load_hf_weights` (and ``tpcompile.from_pretrained``, which transforms too);
 * training checkpoints (model + optimizer): :func:`save` / :func:`load` with
   ``kind="sharded"`` (reshards to any layout), ``"local"`` (same layout) or ``"full"``
-  (HF directory + optimizer), optionally asynchronous.
+  (HF directory + optimizer), optionally asynchronous; :func:`saved_layout` reads back
+  the layout a checkpoint's model ran at.
 
 Every write is atomic; every read checks what it reads.
 """
@@ -15,9 +16,10 @@ import warnings
 from typing import Any
 
 from .hf import hf_state_dict, load_hf_weights, save_pretrained
-from .training import SaveHandle, latest, load, save
+from .training import SaveHandle, latest, load, save, saved_layout
 
-__all__ = ["SaveHandle", "hf_state_dict", "latest", "load", "load_hf_weights", "save", "save_pretrained"]
+__all__ = ["SaveHandle", "hf_state_dict", "latest", "load", "load_hf_weights", "save", "save_pretrained",
+           "saved_layout"]
 
 
 def __getattr__(name: str) -> Any:

@@ -56,7 +56,7 @@ from .pipelined import (
 )
 from .safetensors_io import SliceReader, StreamWriter, read_header
 
-__all__ = ["KINDS", "SaveHandle", "latest", "load", "save"]
+__all__ = ["KINDS", "SaveHandle", "latest", "load", "save", "saved_layout"]
 
 KINDS = ("sharded", "local", "full")
 LATEST = "latest"
@@ -122,7 +122,8 @@ def _meta(kind: str, model: nn.Module, keys: StageKeys, osd: dict[str, Any],
           entries: list, extra: dict[str, Any] | None) -> dict[str, Any]:
     meta = {"format": kind, "table": keys.table.to_dict(), "param_groups": _param_groups(osd),
             "optim": _stored_optim(model, keys.stored, entries), "layout": _layout(model),
-            "extra": extra or {}}
+            # the parallelize layout it trained at, as information (load reshards to any)
+            "tpcompile_layout": getattr(model, "tpcompile_layout", None), "extra": extra or {}}
     if pp_layout(model):  # which stage's files hold each tensor (translating a local checkpoint)
         meta["writers"] = {name: list(w) for name, w in keys.writer.items()}
     if kind != "tpcompile-full" and world()[0] == 0:
@@ -453,8 +454,33 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Sharded and full checkpoints load at any layout; a local one only at its own.
     Returns the ``extra`` data saved with it.
     """
-    path = Path(path)
     model = hf.transformed_part(model)[0]  # a PEFT model around a transformed one: its base
+    path, meta = _read_meta(path)
+    loaders = {SHARDED_FORMAT: _load_sharded, LOCAL_FORMAT: _load_local, "tpcompile-full": _load_full}
+    if meta.get("format") not in loaders:
+        raise TPError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    loaders[meta["format"]](path, meta, model, optimizer)
+    return meta.get("extra", {})
+
+
+def saved_layout(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The layout the model of a :func:`save` checkpoint ran at: its
+    ``model.tpcompile_layout`` when saved (the parallelize keywords, label, source and,
+    chosen by ``layout="auto"``, the search's inputs and prediction); ``None`` for a
+    checkpoint of an earlier version.  Information only: :func:`load` reshards sharded and
+    full checkpoints to whatever layout the loading model runs at.
+
+    Example:
+        >>> tpcompile.checkpoint.saved_layout("ckpt")["label"]            # doctest: +SKIP
+        'tp2 dp_shard4 ac'
+        >>> model = tpcompile.parallelize(model, layout=saved_layout("ckpt")["parallelize"])
+    """
+    return _read_meta(path)[1].get("tpcompile_layout")
+
+
+def _read_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory (a root's ``latest``) and its metadata, checked complete."""
+    path = Path(path)
     if (path / LATEST).exists() and not (path / hf.META_NAME).exists():
         path = latest(path)
     hf.reject_partial(path)
@@ -462,9 +488,4 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if not meta_file.exists():
         raise TPError(f"{path} is not a complete tpcompile checkpoint (no {hf.META_NAME}); "
                       "an interrupted save leaves only a hidden .partial directory")
-    meta = json.loads(meta_file.read_text())
-    loaders = {SHARDED_FORMAT: _load_sharded, LOCAL_FORMAT: _load_local, "tpcompile-full": _load_full}
-    if meta.get("format") not in loaders:
-        raise TPError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
-    loaders[meta["format"]](path, meta, model, optimizer)
-    return meta.get("extra", {})
+    return path, json.loads(meta_file.read_text())

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,7 +54,8 @@ import torch
 
 from ..errors import TPError
 
-__all__ = ["PROFILES", "HardwareProfile", "Link", "calibrate", "get_profile", "load_profile", "save_profile"]
+__all__ = ["PROFILES", "HardwareProfile", "Link", "calibrate", "device_profile", "get_profile", "load_profile",
+           "profile_for_device", "save_profile"]
 
 PROFILE_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -173,6 +175,36 @@ def get_profile(name_or_path: str | os.PathLike[str] | HardwareProfile) -> Hardw
         return load_profile(key)
     raise TPError(f"unknown hardware {key!r}: built-in profiles are {', '.join(PROFILES)}, or give a profile "
                   "JSON file (python -m tpcompile calibrate --out FILE.json writes one)")
+
+
+# ``torch.cuda.get_device_name()`` -> the built-in profile of that part.  The profiles hold
+# the SXM boards' figures: PCIe and NVL boards (other clocks, links and memory) would be
+# priced wrong, so they are not matched; GH200 is not an H200 (hence the word boundaries)
+_DEVICE_NAMES = ((r"\bH200\b", "h200"), (r"\bH100\b", "h100-80gb"), (r"\bB200\b", "b200"),
+                 (r"\bA100\b.*\b80\s*GB\b", "a100-80gb"))
+
+
+def profile_for_device(name: str) -> str:
+    """The built-in profile of a CUDA device name; a TPError naming ``hardware=`` otherwise.
+
+    Example:
+        >>> profile_for_device("NVIDIA H100 80GB HBM3"), profile_for_device("NVIDIA A100-SXM4-80GB")
+        ('h100-80gb', 'a100-80gb')
+    """
+    upper = name.upper()
+    found = None if re.search(r"PCIE|\bNVL\b", upper) else next(
+        (profile for pattern, profile in _DEVICE_NAMES if re.search(pattern, upper)), None)
+    if found is None:
+        raise TPError(f"no built-in hardware profile for {name!r} (built-in: {', '.join(PROFILES)}): pass "
+                      "hardware= a profile's name or a profile JSON file (python -m tpcompile calibrate --out "
+                      "FILE.json measures this machine into one)")
+    return found
+
+
+def device_profile(device: str) -> str:
+    """The profile a job on ``device`` (``"cuda"`` / ``"cpu"``) is priced with by default:
+    the CUDA device's (:func:`profile_for_device`), else ``cpu``."""
+    return profile_for_device(torch.cuda.get_device_name()) if device == "cuda" else "cpu"
 
 
 def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:

@@ -57,55 +57,10 @@ from typing import Any
 from torch import nn
 
 from ..errors import TPError
-from .hardware import HardwareProfile, get_profile
+from ..plan.layout import Layout  # plan-stage data: the front doors apply it, this module ranks it
+from .hardware import HardwareProfile, device_profile, get_profile
 
-__all__ = ["Layout", "LayoutReport", "Prediction", "plan_layout"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """One layout: the degrees and switches ``tpcompile.parallelize`` takes."""
-
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: str | None = None
-    pp_microbatches: int | None = None
-    pp_virtual: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_shard: int = 1
-    dp_replicate: int = 1
-    sequence_parallel: bool = False
-    activation_checkpointing: bool = False
-    fp8: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp_shard * self.dp_replicate
-
-    def parallelize_kwargs(self) -> dict[str, Any]:
-        """The keywords of ``tpcompile.parallelize`` that build this layout."""
-        out: dict[str, Any] = {"tp": self.tp, "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate,
-                               "cp": self.cp, "ep": self.ep, "sequence_parallel": self.sequence_parallel,
-                               "activation_checkpointing": self.activation_checkpointing,
-                               "fp8": True if self.fp8 else None, "pp": self.pp}
-        if self.pp > 1:
-            out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
-            if self.pp_virtual > 1:
-                out["pp_virtual"] = self.pp_virtual
-        return out
-
-    def label(self) -> str:
-        """``tp8 pp4:1f1b/m16 dp_shard2 sp ac fp8``: the degrees above 1 and the switches on."""
-        parts = [f"tp{self.tp}"]
-        if self.pp > 1:
-            v = f"x{self.pp_virtual}" if self.pp_virtual > 1 else ""
-            parts.append(f"pp{self.pp}:{self.pp_schedule}{v}/m{self.pp_microbatches}")
-        parts += [f"{k}{v}" for k, v in (("cp", self.cp), ("ep", self.ep), ("dp_shard", self.dp_shard),
-                                         ("dp_rep", self.dp_replicate)) if v > 1]
-        parts += [k for k, on in (("sp", self.sequence_parallel), ("ac", self.activation_checkpointing),
-                                  ("fp8", self.fp8)) if on]
-        return " ".join(parts)
+__all__ = ["Layout", "LayoutReport", "Prediction", "choose_layout", "plan_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,3 +196,47 @@ def plan_layout(model: Any, *, gpus: int, hardware: str | HardwareProfile, batch
                     usable=hw.memory_bytes * (1 - headroom), fp8=fp8)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def choose_layout(model: nn.Module, *, gpus: int, gpus_per_node: int | None, hardware: str | HardwareProfile | None,
+                  batch: int | None, seq: int, device: str = "cpu") -> dict[str, Any]:
+    """The layout ``tpcompile.parallelize(layout="auto")`` applies: :func:`plan_layout`'s
+    best, as the fields of its ``model.tpcompile_layout`` record.
+
+    ``hardware=None`` prices the job on ``device``'s profile (the CUDA device's built-in
+    one, else ``cpu``); the model is searched as a meta copy, so its weights are never
+    touched.  Raises a TPError naming the fastest layout that does not fit, and its
+    memory per rank, when none fits.
+
+    Example:
+        >>> choose_layout(model, gpus=2, gpus_per_node=None, hardware="cpu", batch=None, seq=16)["label"]
+        'tp1 dp_shard2'
+    """
+    from ..analysis.boundaries import meta_copy
+
+    hw = get_profile(hardware if hardware is not None else device_profile(device))
+    # a copy even of a meta model: what parallelize records about it (delayed init) stays as it was
+    report = plan_layout(meta_copy(model), gpus=gpus, hardware=hw, batch=batch, seq=seq, gpus_per_node=gpus_per_node,
+                         top=1)
+    best = report.best
+    if best is None:
+        raise TPError(_none_fits(report))
+    return {"parallelize": best.layout.record_keywords(), "label": best.layout.label(), "hardware": hw.name,
+            "gpus": gpus, "gpus_per_node": report.gpus_per_node, "seq": seq, "batch": report.batch,
+            "dtype": report.dtype,
+            "predicted": {"step_seconds": best.time["total"], "memory_bytes": best.memory["total"],
+                          "mfu": best.mfu, "tokens_per_s": best.tokens_per_s}}
+
+
+def _none_fits(report: LayoutReport) -> str:
+    from .cost_render import human_bytes
+
+    job = (f"no layout of {report.model} fits {report.gpus} x {report.hardware} at batch {report.batch} x seq "
+           f"{report.seq}")
+    if not report.unfit:
+        why = "; ".join(list(report.refused)[:3]) or "nothing is admitted"
+        return f"{job}: none is admitted ({why})"
+    lose = report.unfit[0]  # the fastest of those that do not fit
+    return (f"{job}: the fastest, {lose.layout.label()}, needs {human_bytes(lose.memory['total'])} per rank of "
+            f"{human_bytes(report.usable_memory)} usable; raise the GPU count, lower batch= or seq=, or pass "
+            "hardware= a profile with more memory")
