@@ -246,7 +246,8 @@ def test_cli_surface_frozen() -> None:
     assert set(subs) == {"dump-plan", "demo", "translate", "verify", "calibrate"}
     flags = {s for a in subs["dump-plan"]._actions for s in a.option_strings}
     assert flags == {"-h", "--help", "--tp", "--format", "--model", "--layers", "--table", "--dp-shard",
-                     "--batch", "--seq", "--fp8", "--cp", "--pp", "--pp-schedule", "--pp-microbatches",
+                     "--batch", "--seq", "--fp8", "--cp", "--sequence-parallel", "--pp", "--pp-schedule",
+                     "--pp-microbatches",
                      "--pp-virtual", "--auto", "--gpus", "--gpus-per-node", "--hardware", "--dtype", "--top"}
     calibrate_flags = {s for a in subs["calibrate"]._actions for s in a.option_strings}
     assert calibrate_flags == {"-h", "--help", "--out", "--procs"}

@@ -55,7 +55,7 @@ def auto_conflicts(args: argparse.Namespace) -> str | None:
         given = [f"--{k.replace('_', '-')}" for k in _AUTO_ONLY if getattr(args, k) is not None]
         return f"{', '.join(given)}: only read with --auto" if given else None
     fixed = [flag for flag, on in (("--tp", args.tp is not None), ("--dp-shard", args.dp_shard != 1),
-                                   ("--cp", args.cp != 1), ("--pp", args.pp != 1), ("--table", args.table), ("--pp-schedule", args.pp_schedule is not None),
+                                   ("--cp", args.cp != 1), ("--sequence-parallel", args.sequence_parallel), ("--pp", args.pp != 1), ("--table", args.table), ("--pp-schedule", args.pp_schedule is not None),
                                    ("--pp-microbatches", args.pp_microbatches is not None),
                                    ("--pp-virtual", args.pp_virtual is not None)) if on]
     if fixed:
