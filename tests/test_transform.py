@@ -219,3 +219,27 @@ def _foreach_step(rank: int, world: int) -> float:
 def test_foreach_optimizer_and_grad_clipping_work(world2: CaseResults) -> None:
     # GPU optimizers default to foreach kernels, which reject a mix of DTensors and tensors
     assert max(world2["foreach"]) < TOL
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama"])
+def test_planning_leaves_transformers_output_capture_whole(family: str) -> None:
+    """The capture traces a copy of the stack cut to one block; transformers installs its
+    output-capture hooks at a model's first forward, on the modules present then.  Were
+    they left from the cut trace, every later forward would record one layer's router
+    logits (a silently different MoE load-balancing loss) and too few hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    cfg.num_hidden_layers = 4
+    if family == "mixtral":
+        cfg.output_router_logits = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ref = copy.deepcopy(model)
+    tpcompile.plan_model(model, 2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    got, want = (m(input_ids=ids, labels=ids, output_hidden_states=True) for m in (model, ref))
+    assert len(got.hidden_states) == len(want.hidden_states) == 5
+    assert torch.equal(got.loss, want.loss)
+    if family == "mixtral":
+        assert len(got.router_logits) == 4 and torch.equal(got.aux_loss, want.aux_loss)

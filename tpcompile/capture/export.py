@@ -120,10 +120,25 @@ def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]
     return stacks
 
 
+# set by transformers on a model once its output-capture hooks are installed (on the
+# modules present at its first forward)
+_HOOKED = "_output_capturing_hooks_installed"
+
+
 @contextlib.contextmanager
 def _truncated(model: nn.Module, stacks: dict[str, tuple[nn.ModuleList, list[int]]]) -> Iterator[None]:
-    """Temporarily cut each stack to the prefix holding one block of every structure."""
+    """Temporarily cut each stack to the prefix holding one block of every structure.
+
+    A forward of the cut model must leave no trace on the whole one: transformers installs
+    its output-capture hooks (``output_router_logits``, ``output_hidden_states``...) at a
+    model's first forward, on the modules present then, and marks the model done, so a
+    first forward while cut would leave the later blocks unhooked and every later
+    forward recording a few layers' router logits (a silently different MoE loss).  The
+    hooks added while cut are removed and the marks restored."""
     saved: list[tuple[nn.ModuleList, dict]] = []
+    modules = list(model.modules())
+    hooks = [(m, set(m._forward_hooks), set(m._forward_pre_hooks)) for m in modules]
+    marks = [(m, m.__dict__.get(_HOOKED, _HOOKED)) for m in modules]
     try:
         for mod, reps in stacks.values():
             keep = max(reps) + 1
@@ -131,8 +146,18 @@ def _truncated(model: nn.Module, stacks: dict[str, tuple[nn.ModuleList, list[int
             mod._modules = {k: v for k, v in list(mod._modules.items())[:keep]}
         yield
     finally:
-        for mod, modules in saved:
-            mod._modules = modules
+        for mod, children in saved:
+            mod._modules = children
+        for m, post, pre in hooks:
+            for key in set(m._forward_hooks) - post:
+                del m._forward_hooks[key]
+            for key in set(m._forward_pre_hooks) - pre:
+                del m._forward_pre_hooks[key]
+        for m, mark in marks:
+            if mark is _HOOKED:  # not set before
+                m.__dict__.pop(_HOOKED, None)
+            else:
+                m.__dict__[_HOOKED] = mark
 
 
 def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
