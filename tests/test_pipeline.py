@@ -15,7 +15,9 @@ every stage); pp2 x cp2 (llama, gemma2's windows and softcap) and pp2 x tp2 with
 parallelism (llama eager, qwen3): the hidden state crosses at CP's slice / split over tp,
 the shape ``dump-plan --pp --cp`` prices.  Refusals: an encoder-decoder, the split-backward
 schedules, activation offloading, a plain forward / ``generate()`` / the HF Trainer's own step, a
-batch the microbatches do not divide, MoE load-balancing losses.
+batch the microbatches do not divide.  Mixtral's load-balancing loss (output_router_logits)
+at pp=2: every layer's router logits cross the boundary with the hidden state; losses and
+gradients equal gradient accumulation over the same microbatches.
 """
 
 from __future__ import annotations
@@ -105,6 +107,41 @@ def _exact(rank: int, world: int, family: str, layout: dict) -> dict:
     return out
 
 
+def _accumulated(model: torch.nn.Module, m: int = 4) -> dict[str, Any]:
+    """3 AdamW steps of gradient accumulation over the microbatches ``pipeline_step`` cuts,
+    each microbatch's loss weighted by its share of the loss tokens."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(3):
+        mbs = [{k: v.chunk(m)[i] for k, v in _batch().items()} for i in range(m)]
+        counts = [int((mb["labels"][..., 1:] != -100).sum()) for mb in mbs]
+        total = 0.0
+        for mb, count in zip(mbs, counts, strict=True):
+            loss = model(**mb).loss * (count / sum(counts))
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads}
+
+
+def _router_loss(rank: int, world: int, layout: dict) -> dict:
+    """MoE load-balancing loss (output_router_logits=True): the router logits each stage
+    records cross with the hidden state, so the last stage's loss averages every layer's
+    router; per microbatch, as gradient accumulation computes it (the loss is not linear
+    in the batch: the whole batch's differs)."""
+    model = tpcompile.parallelize(_build("mixtral", output_router_logits=True), **layout)
+    out = _compare(_train(model, layout.get("tp", 1)), _accumulated(_build("mixtral", output_router_logits=True)))
+    out["carried"] = [e.block for e in model.tpcompile_pipeline.bounds.carried]
+    out["whole_batch"] = _build("mixtral", output_router_logits=True)(**_batch()).loss.item()
+    batch = {**_batch(), "output_router_logits": False}
+    out["per_call"] = refusal(lambda: tpcompile.pipeline_step(model, batch))
+    return out
+
+
 def _meta(rank: int, world: int) -> dict:
     """Delayed init: the pp=2 shards are the tensors the unsplit layout initialises."""
     model = tpcompile.parallelize(_build("gpt2", meta=True), pp=2, seed=0, pp_schedule="1f1b")
@@ -168,7 +205,6 @@ def _refusals(rank: int, world: int) -> dict:
         "encoder_decoder": lambda: tpcompile.parallelize(_t5(), pp=2),
         "zero_bubble": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zero_bubble"),
         "offloading": lambda: tpcompile.parallelize(_build("llama"), pp=2, activation_offloading=True),
-        "router_loss": lambda: tpcompile.parallelize(_build("mixtral", output_router_logits=True), pp=2),
         "too_few_blocks": lambda: tpcompile.parallelize(_build("llama", layers=2), pp=2,
                                                         pp_schedule="interleaved_1f1b"),
         "bad_schedule": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zigzag"),
@@ -226,6 +262,7 @@ def _reduce_scatters(rank: int, world: int, microbatches: int) -> dict:
 
 WORLD2 = {f"{family}_interleaved": (_exact, family, {"pp": 2, "pp_microbatches": 4}) for family in FAMILIES}
 WORLD2.update({
+    "mixtral_router_loss": (_router_loss, {"pp": 2, "pp_microbatches": 4}),
     "llama_gpipe": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "gpipe"}),
     "llama_1f1b": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}),
     "gpt2_1f1b": (_exact, "gpt2", {"pp": 2, "pp_microbatches": 2, "pp_schedule": "1f1b"}),
@@ -274,6 +311,12 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.parametrize("case", sorted(WORLD2))
 def test_pipeline_equals_one_process(world2: CaseResults, case: str) -> None:
     _check(world2[case])
+    if case == "mixtral_router_loss":
+        for r in world2[case]:  # every layer's router reaches the loss; per-call options are refused
+            assert r["carried"] == [f"model.layers.{i}" for i in range(4)], r["carried"]
+            assert abs(r["whole_batch"] - r["losses"][0]) > 1e-5, r  # the microbatched loss is not the batch's
+            assert r["per_call"] is not None and "output_router_logits" in r["per_call"], r["per_call"]
+        return
     if "interleaved" in case:  # two stages per rank
         assert [r["stages"] for r in world2[case]] == [[0, 2], [1, 3]]
 
@@ -321,7 +364,7 @@ def test_clip_grad_norm_is_the_global_norm(world2: CaseResults) -> None:
 def test_what_a_pipeline_cannot_take_is_refused_by_name(world2: CaseResults) -> None:
     for errors in world2["refusals"]:
         wanted = {"encoder_decoder": "encoder", "zero_bubble": "interleaved_1f1b",
-                  "offloading": "activation_offloading", "router_loss": "output_router_logits",
+                  "offloading": "activation_offloading",
                   "too_few_blocks": "blocks", "bad_schedule": "pp_schedule", "forward": "pipeline_step",
                   "generate": "save_pretrained", "batch": "pp_microbatches", "no_labels": "labels",
                   "trainer": "pipeline_step"}

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import TPError
 
-__all__ = ["Boundaries", "meta_copy", "probe_boundaries", "stack_of"]
+__all__ = ["Boundaries", "CarriedEntry", "meta_copy", "probe_boundaries", "recorded_outputs", "stack_of"]
 
 
 @dataclass
@@ -55,6 +55,26 @@ class Boundaries:
     returns_tuple: bool  # the block returns (hidden, *rest) instead of the hidden state
     rest: tuple[Any, ...] = ()  # the tuple's other (tensor-free) entries
     side_inputs: list[str] = field(default_factory=list)  # recomputed on every stage
+    # outputs transformers' output capture records inside blocks that the code after the
+    # stack reads (MoE router logits for the load-balancing loss): they cross with the
+    # hidden state, each stage sending the entries recorded so far, in block order
+    carried: list[CarriedEntry] = field(default_factory=list)
+
+    def carried_before(self, block: str) -> list[CarriedEntry]:
+        """The carried entries recorded by the blocks before ``block``."""
+        i = self.blocks.index(block)
+        return [e for e in self.carried if self.blocks.index(e.block) < i]
+
+
+@dataclass(frozen=True)
+class CarriedEntry:
+    """One recorded value that crosses stage boundaries: its capture key, the block that
+    recorded it, its shape and dtype at the probe's microbatch."""
+
+    key: str
+    block: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -148,16 +168,25 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
     handles = []
     for name, mod in owners.items():
         handles.append(mod.register_forward_pre_hook(lambda *_, _n=name: order.append(_n)))
+    recorded: list[tuple[str, str, torch.Tensor]] = []  # (key, block, value) in record order
+    before: dict[str, int] = {}
     for name in blocks:
         def pre(mod: nn.Module, args: tuple, kwargs: dict, _n: str = name) -> None:
             if not first_block:
                 first_block.append(len(order))
             calls[_n] = (args, kwargs, None)
+            before.clear()
+            before.update({k: len(v) for k, v in recorded_outputs().items()})
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, _n: str = name) -> None:
             calls[_n] = (args, kwargs, out)
             order.append(f"<block {_n}>")
             reads.watch(out)
+            for key, values in recorded_outputs().items():
+                for v in values[before.get(key, 0):]:
+                    if isinstance(v, torch.Tensor):
+                        recorded.append((key, _n, v))
+                        reads.watch_value(v)
 
         block = twin.get_submodule(name)
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
@@ -190,9 +219,23 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
         a, k, _ = calls[name]
         _side_inputs(a, k, slot, [name])
     returns_tuple, rest = _block_output(out, blocks[0], reads.seen)
+    read_keys = {key for key, _, v in recorded if id(v) in reads.seen}
+    carried = [CarriedEntry(key=key, block=b, shape=tuple(v.shape), dtype=v.dtype)
+               for key, b, v in recorded if key in read_keys]
     return Boundaries(stack=stack, blocks=list(blocks), pre=pre, post=post, hidden_arg=slot,
                       hidden_shape=tuple(hidden.shape), hidden_dtype=hidden.dtype, returns_tuple=returns_tuple,
-                      rest=rest, side_inputs=side)
+                      rest=rest, side_inputs=side, carried=carried)
+
+
+def recorded_outputs() -> dict[str, list[Any]]:
+    """What transformers' output capture (``output_router_logits=True``, ...) has recorded
+    in the forward running now, by key (empty outside one)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capture records nothing
+        return {}
+    got = _active_collector.get()
+    return {k: v for k, v in (got or {}).items() if isinstance(v, list) and not k.startswith("_")}
 
 
 def _side_inputs(args: tuple, kwargs: dict, slot: int | str, blocks: list[str]) -> list[str]:
@@ -237,6 +280,9 @@ class _Reads(TorchDispatchMode):
     def watch(self, out: Any) -> None:
         if isinstance(out, tuple | list):
             self.watched += [t for t in tree_flatten(tuple(out[1:]))[0] if isinstance(t, torch.Tensor)]
+
+    def watch_value(self, t: torch.Tensor) -> None:
+        self.watched.append(t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         ids = {id(t) for t in self.watched}

@@ -247,10 +247,6 @@ def plan_pipeline(model: Any, blocks: list[str], *, pp: int, schedule: str | Non
     from ..capture.inputs import example_inputs
 
     config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
-        raise TPError(f"pp > 1: {type(model).__name__}'s config has output_router_logits=True: its load-balancing "
-                      "loss averages the router of every layer at once, which no single stage sees. Set "
-                      "config.output_router_logits = False or train without pp")
     if getattr(config, "is_encoder_decoder", False):
         raise TPError(f"pp > 1: {type(model).__name__} is an encoder-decoder: its decoder blocks read the encoder's "
                       "output, whose gradient would have to cross stages. Train it without pp (tp / FSDP2 / cp)")

@@ -16,7 +16,10 @@ model's.  A stage runs by calling the model's **own forward** on the microbatch:
 
 So masks, rotary tables and positions are recomputed on every stage from the batch by the
 model's own code (:mod:`tpcompile.analysis.boundaries` proves they carry no gradient),
-and only the hidden state crosses a boundary.  The last stage's output is the model's own
+and only the hidden state crosses a boundary — with the values transformers' output
+capture records inside blocks for the code after them (MoE router logits): a stage sends
+every entry recorded so far and a later stage's pass-through blocks record the received
+ones where the earlier blocks would have.  The last stage's output is the model's own
 loss, weighted by the microbatch's share of the batch's tokens, so the sum over
 microbatches is the unsplit model's loss.  The schedules are torch's
 (``torch.distributed.pipelining``): each stage is a :class:`StageModule` in a
@@ -37,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map_only
 
-from ..analysis.boundaries import Boundaries, meta_copy, probe_boundaries
+from ..analysis.boundaries import Boundaries, meta_copy, probe_boundaries, recorded_outputs
 from ..errors import TPError
 from ..plan.stages import Stage, StagePlan
 
@@ -45,9 +48,10 @@ __all__ = ["PipelineRun", "StageModule", "TiedParameter", "split_model", "sum_ti
 
 
 class _Cut(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Raised by a later stage's block: the forward of this stage ends here."""
+    """Raised by a later stage's block: the forward of this stage ends here, sending the
+    hidden state (and the carried entries recorded so far)."""
 
-    def __init__(self, value: torch.Tensor) -> None:
+    def __init__(self, value: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         super().__init__("pipeline stage boundary")
         self.value = value
 
@@ -77,6 +81,7 @@ class PipelineRun:
     ties: list[TiedParameter] = field(default_factory=list)
     current: int | None = None  # the stage running right now
     received: torch.Tensor | None = None
+    received_carried: tuple[torch.Tensor, ...] = ()  # carried entries received, in record order
     microbatches: list[dict[str, Any]] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     schedules: dict[Any, Any] = field(default_factory=dict)  # by microbatch shapes
@@ -125,24 +130,44 @@ class _Absent:
 
 
 class _Skip:
-    """An earlier stage's block: returns the hidden state it is given, as the block would."""
+    """An earlier stage's block: returns the hidden state it is given, as the block would,
+    and records what the block recorded (received from the earlier stage)."""
 
-    def __init__(self, twin: nn.Module, bounds: Boundaries) -> None:
-        self._twin, self._bounds = twin, bounds
+    def __init__(self, twin: nn.Module, run: PipelineRun, name: str) -> None:
+        self._twin, self._run, self._name = twin, run, name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = _hidden(self._bounds, args, kwargs)
-        return (hidden, *self._bounds.rest) if self._bounds.returns_tuple else hidden
+        bounds = self._run.bounds
+        if bounds.carried:
+            got = recorded_outputs()
+            for entry, value in zip(bounds.carried, self._run.received_carried, strict=False):
+                if entry.block == self._name and entry.key in got:
+                    got[entry.key].append(value)
+        hidden = _hidden(bounds, args, kwargs)
+        return (hidden, *bounds.rest) if bounds.returns_tuple else hidden
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._twin, name)
 
 
 class _Stop(_Skip):
-    """A later stage's block: this stage's output is the hidden state it is given."""
+    """A later stage's block: this stage's output is the hidden state it is given, with
+    every carried entry recorded so far."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise _Cut(_hidden(self._bounds, args, kwargs))
+        hidden = _hidden(self._run.bounds, args, kwargs)
+        keys = list(dict.fromkeys(e.key for e in self._run.bounds.carried))
+        if not keys:
+            raise _Cut(hidden)
+        got = recorded_outputs()
+        if any(k not in got for k in keys):
+            raise TPError(f"pipeline stage {self._run.current}: the model's forward did not record "
+                          f"{', '.join(k for k in keys if k not in got)} as the boundaries' probe did; pass the "
+                          "same output_* options every step")
+        recorded = {k: iter(got[k]) for k in keys}
+        carried = tuple(next(recorded[e.key]) for e in self._run.bounds.carried_before(self._name))
+        # a received entry goes on unchanged: a view gives it its own node in this stage's graph
+        raise _Cut((hidden, *(t.view_as(t) for t in carried)))
 
 
 class _Enter:
@@ -188,7 +213,7 @@ class _StageBlocks(nn.ModuleList):
             first = run.plan.stages[owner].blocks[0] == name
             return _Enter(block, run) if first and owner > 0 else block
         twin = run.twin.get_submodule(name)
-        return _Skip(twin, run.bounds) if owner < run.current else _Stop(twin, run.bounds)
+        return (_Skip if owner < run.current else _Stop)(twin, run, name)
 
     def _in_stage(self) -> bool:
         return self._pp_run.current is not None
@@ -233,11 +258,25 @@ def _mix_parent(parent: nn.Module) -> None:
     if isinstance(parent, _StageParent):
         return
     cls = type(parent)
+    recorded = _recordable(parent)
     parent.__class__ = type(f"Stage{cls.__name__}", (_StageParent, cls), {})
+    if recorded:  # transformers keys what a model records by its class's name: the new class records the same
+        _recordable(parent, recorded)
+
+
+def _recordable(model: nn.Module, value: dict | None = None) -> dict | None:
+    """What transformers' output capture records for ``model``'s class (``value``: set it)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return None
+    if value is not None:
+        _CAN_RECORD_REGISTRY[model] = value
+    return _CAN_RECORD_REGISTRY.get(model)
 
 
 class StageModule(nn.Module):
-    """One pipeline stage, as ``PipelineStage`` drives it: ``forward(x, mb)`` runs the
+    """One pipeline stage, as ``PipelineStage`` drives it: ``forward(x, *carried, mb)`` runs the
     model's forward on microbatch ``mb`` as this stage (``x``: the hidden state received,
     or on the first stage the microbatch index).  Its children are the stage's own
     modules (the same objects as in the model), so ``parameters()`` are the stage's."""
@@ -249,10 +288,11 @@ class StageModule(nn.Module):
         for name, mod in modules.items():
             self.add_module(name.replace(".", "__"), mod)
 
-    def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, mb: torch.Tensor) -> Any:
         run: PipelineRun = self._run
         k = int(mb.reshape(-1)[0])
         run.current, run.received = self.index, (None if self.first else x)
+        run.received_carried = carried
         try:
             out = run.model(**run.microbatches[k])
         except _Cut as cut:
@@ -260,7 +300,7 @@ class StageModule(nn.Module):
                 raise
             return cut.value
         finally:
-            run.current, run.received = None, None
+            run.current, run.received, run.received_carried = None, None, ()
         if not self.last:
             raise TPError(f"pipeline stage {self.index} ran the model's forward to its end without reaching the "
                           "next stage's first block")

@@ -78,21 +78,42 @@ def _loss_of_output(output: torch.Tensor, target: Any) -> torch.Tensor:
 
 def _schedule(run: PipelineRun, mb: dict[str, Any], m: int, device: torch.device) -> Any:
     """The schedule (and its ``PipelineStage``s) for microbatches shaped like ``mb``."""
-    key = (m, tuple((k, tuple(v.shape), v.dtype) for k, v in mb.items() if isinstance(v, torch.Tensor)))
+    key = (m, tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
+                    for k, v in mb.items()))
     if key in run.schedules:
         return run.schedules[key]
     from torch.distributed import pipelining
 
     shapes = run.shapes(mb)
-    # the stage metadata says which values carry a gradient: the hidden state and the loss
+    asked, probed = ({e.key for e in b.carried} for b in (shapes, run.bounds))
+    if asked != probed:  # the stages forward what parallelize's probe found recorded
+        raise TPError(f"pipeline_step: with this batch's options the model records {sorted(asked) or 'nothing'} "
+                      f"for the code after its blocks, but parallelize probed it recording {sorted(probed) or 'nothing'}"
+                      " (an output_* option such as output_router_logits passed per call); set it on model.config "
+                      "before parallelize instead")
+    # the stage metadata says which values carry a gradient: the hidden state, the carried
+    # entries (router logits) and the loss
     hidden = torch.empty(shapes.hidden_shape, dtype=run.hidden_dtype or shapes.hidden_dtype, device="meta",
                          requires_grad=True)
     index = torch.empty((1,), dtype=torch.long, device="meta")
     loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
     group = run.pp_mesh.get_group()
-    stages = [pipelining.PipelineStage(sm, sm.index, len(run.plan.stages), device,
-                                       input_args=(index if sm.first else hidden,),
-                                       output_args=loss if sm.last else hidden, group=group)
+    plan = run.plan
+
+    def crossing(stage: int) -> tuple[torch.Tensor, ...]:
+        """What enters stage ``stage``: the hidden state and the entries recorded before it."""
+        carried = shapes.carried_before(plan.stages[stage].blocks[0])
+        return (hidden, *(torch.empty(e.shape, dtype=e.dtype, device="meta", requires_grad=True) for e in carried))
+
+    def output(sm: Any) -> Any:
+        if sm.last:
+            return loss
+        out = crossing(sm.index + 1)
+        return out if len(out) > 1 else hidden
+
+    stages = [pipelining.PipelineStage(sm, sm.index, len(plan.stages), device,
+                                       input_args=(index,) if sm.first else crossing(sm.index),
+                                       output_args=output(sm), group=group)
               for sm in run.stages]
     spec = SCHEDULES[run.plan.schedule]
     cls = getattr(pipelining, spec.torch_class)
