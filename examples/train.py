@@ -28,7 +28,24 @@ What it shows, in order:
 6. At the end, ``tpcompile.save_pretrained`` writes ``--out-dir``, a plain HF directory
    that ``transformers.AutoModelForCausalLM.from_pretrained`` loads without tpcompile.
 
-Resume: run the same command again with a larger ``--steps``.
+Resume: run the same command again with a larger ``--steps``. Under torchrun's restarts
+the script resumes by itself, so a rank that dies (a crash, the OOM killer, a lost node)
+costs one restart of the group, not the run::
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train.py
+
+torchrun sees the dead rank, stops the others and starts the group again; the new
+processes resume from ``latest``, the newest complete checkpoint (a save a rank died in
+never becomes ``latest``), so at most ``--save-every`` steps are recomputed and the run
+ends with the losses and weights of an uninterrupted one. On several nodes, launch with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see :func:`init_process_group`).
+
+Fault injection (for the restart tests; off unless set): ``TPCOMPILE_TEST_KILL_AT=step:N``
+SIGKILLs the last rank in the middle of step ``N`` (after its backward, before the
+optimizer step; the checkpoint in flight is first waited for, so the restart's resume
+point is known), and ``save:N`` SIGKILLs it in the middle of the asynchronous save of
+step ``N`` (its files written, the directory not yet published). Only torchrun's first
+attempt (``TORCHELASTIC_RESTART_COUNT`` 0) is killed, so the restarted group runs through.
 
 The synthetic task (arithmetic progressions of token ids modulo the vocabulary) is
 learnable, so the loss falls. For real data, replace :func:`global_batch` with your loader
@@ -42,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +74,7 @@ import tpcompile.checkpoint as ckpt
 from tpcompile import data_parallel_rank
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+KILL_ENV = "TPCOMPILE_TEST_KILL_AT"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +119,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def init_process_group(backend: str) -> None:
+    """``dist.init_process_group(backend)``, each torchrun restart under its own store keys.
+
+    torchrun's rendezvous (c10d, and static with ``--master-port``) lends its TCPStore to
+    the workers and keeps it across restarts, so a restarted group would read the dead
+    group's addresses under the same keys and fail to connect (gloo: "Connection
+    refused"). A prefix per restart keeps the attempts apart. The restart count is the same on every rank of one node; across
+    nodes it can differ, so there launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    (a fresh store per restart; the workers then see ``TORCHELASTIC_USE_AGENT_STORE=False``).
+    """
+    if restart_count() == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"restart-{restart_count()}", agent),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def setup() -> torch.device:
     """Process group and device: NCCL + this process's GPU when CUDA is available, else
     gloo on CPU. torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous; run
@@ -110,15 +152,51 @@ def setup() -> torch.device:
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
+        init_process_group("nccl")
         return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     return torch.device("cpu")
 
 
 def log(*args: Any) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+def kill_point() -> tuple[str, int] | None:
+    """``("step" | "save", N)`` from ``TPCOMPILE_TEST_KILL_AT`` on torchrun's first attempt;
+    ``None`` on a restart or when it is unset (the default)."""
+    spec = os.environ.get(KILL_ENV, "")
+    if not spec:
+        return None
+    where, _, step = spec.partition(":")
+    if where not in ("step", "save") or not step.isdigit():
+        raise SystemExit(f"{KILL_ENV}={spec!r}: expected step:N or save:N")
+    return None if restart_count() > 0 else (where, int(step))
+
+
+def die(where: str) -> None:
+    """SIGKILL the last rank, as the OOM killer or a lost node would: nothing is cleaned
+    up. The other ranks return and run into the collectives it never joins."""
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return
+    print(f"{KILL_ENV}: SIGKILL rank {dist.get_rank()} {where}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_in_next_write(step: int) -> None:
+    """Make the last rank die inside the next sharded write, once its files are on disk
+    and before the directory is published (an async save writes on a background thread).
+    It wraps the same internal step the checkpoint tests stall to kill a save."""
+    from tpcompile.checkpoint import training
+
+    write = training._write_sharded
+
+    def write_then_die(*args: Any) -> None:
+        write(*args)
+        die(f"in the middle of the async save of step {step}")
+
+    training._write_sharded = write_then_die
 
 
 def build_meta_model(args: argparse.Namespace) -> nn.Module:
@@ -157,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     world = dist.get_world_size()
     tp = args.tp if args.tp is not None else (2 if world % 2 == 0 else 1)
     ckpt_dir, out_dir = Path(args.ckpt_dir), Path(args.out_dir)
+    kill = kill_point()
+    if restart_count():
+        log(f"torchrun restart {restart_count()} of at most "
+            f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}")
 
     # 1-2. meta model -> TP + activation checkpointing + FSDP2 -> this rank's shards only
     model = build_meta_model(args)
@@ -202,8 +284,14 @@ def main(argv: list[str] | None = None) -> None:
             group["lr"] = lr_at(step, args)
         ids = global_batch(step, args.batch, args.seq, vocab, args.seed).chunk(dp_size)[dp_rank]
         ids = ids.to(device)
+        if kill == ("step", step) and handle is not None:
+            # every rank, so `latest` names it before the step's collectives let the kill
+            # happen: the restart's resume point is known
+            handle.wait()
         loss = model(ids, labels=ids).loss
         loss.backward()
+        if kill == ("step", step):
+            die(f"in the middle of step {step}")
         grad_norm = float("nan")
         if args.max_grad_norm > 0:
             # parameters are DTensors on one (dp..., tp) mesh: torch's clipping works as is
@@ -221,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             # returns after staging; the files are written on a background thread (and
             # process group) while training goes on; `latest` moves once they are complete
+            if kill == ("save", step):
+                die_in_next_write(step)
             handle = ckpt.save(ckpt_dir, model, opt, kind="sharded", step=step, async_=async_save,
                                extra={"step": step})
     if handle is not None:
