@@ -16,10 +16,17 @@ module adds the tests' import path, their exception types and the case batching 
 ``run_cases(world_size, cases)`` runs many named cases in that one launch (a launch
 costs ~10-20 s of interpreter start-up and imports, usually more than the case itself);
 each test then reads its own case from the result and fails with the case's name.
+
+The ranks of one world size are started once per test session and reused by every run
+(:class:`tpcompile.tools.launch.LocalPool`: a fresh environment, one thread and grad mode
+on between runs; a run that fails stops them and the next one starts new ranks), so the
+suite pays the start-up a few times instead of once per module.  Set
+``TPCOMPILE_TEST_FRESH_PROCESSES=1`` to spawn fresh processes for every run instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import traceback
@@ -30,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpcompile.tools.launch import WorkerFailed, free_port, spawn_local
+from tpcompile.tools.launch import LocalPool, WorkerFailed, free_port, spawn_local
 
 __all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "refusal", "run_cases", "run_distributed"]
 
@@ -68,13 +75,36 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _export_import_path()
     try:
-        return spawn_local(fn, world_size, *args, timeout=timeout)
+        if os.environ.get("TPCOMPILE_TEST_FRESH_PROCESSES"):
+            return spawn_local(fn, world_size, *args, timeout=timeout)
+        return _pool(world_size).run(fn, *args, timeout=timeout)
     except WorkerFailed as exc:  # a failed assert stays a test failure, a timeout a timeout
         if exc.kind == "assertion":
             raise AssertionError(str(exc)) from None
         if exc.kind == "timeout":
             raise TimeoutError(str(exc)) from None
         raise
+
+
+_POOLS: dict[int, LocalPool] = {}
+
+
+def _pool(world_size: int) -> LocalPool:
+    """The session's ranks for ``world_size``, started on first use and again after a run
+    that failed: a launch costs more than most cases (set TPCOMPILE_TEST_FRESH_PROCESSES=1
+    for fresh processes per run)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.healthy:
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world_size] = LocalPool(world_size)
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
 
 
 def _run_case(rank: int, world_size: int, case: tuple) -> tuple[bool, Any]:

@@ -8,6 +8,7 @@ and the benchmarks all spawn their ranks with :func:`spawn_local`.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue as queue_mod
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerFailed", "free_port", "spawn_local"]
+__all__ = ["LocalPool", "WorkerFailed", "free_port", "spawn_local"]
 
 _COLLECTIVE_TIMEOUT_S = 300
 _POLL_S = 0.2
@@ -158,3 +159,127 @@ def _stop(procs: list[BaseProcess]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+
+
+class LocalPool:
+    """``nprocs`` spawned gloo ranks kept alive between runs: :meth:`run` is
+    :func:`spawn_local` without paying, each time, for fresh interpreters, their imports
+    and a new process group (10-60 s a launch on a busy 2-core host).
+
+    Between runs each rank gets back what a fresh process starts with: the environment it
+    was spawned with, one intra-op thread, grad mode on, a garbage collection.  A run that
+    raises, dies or times out stops the pool (its ranks may be inside a collective); so
+    does :meth:`close`.  ``healthy`` is False once stopped, or when a rank holds more than
+    half its file-descriptor limit or ``max_rss`` bytes, so a caller can start a new one.
+
+    Example:
+        >>> pool = LocalPool(2)                                  # doctest: +SKIP
+        >>> pool.run(my_module.check, "llama"), pool.run(my_module.check, "gpt2")
+        ([True, True], [True, True])
+        >>> pool.close()
+    """
+
+    def __init__(self, nprocs: int, *, collective_timeout: float = 1800, max_rss: int = 6 << 30) -> None:
+        import torch.multiprocessing as mp
+
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        ctx = mp.get_context("spawn")
+        self.nprocs, self._max_rss = nprocs, max_rss
+        self._tasks = [ctx.Queue() for _ in range(nprocs)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs: list[BaseProcess] = []
+        for rank in range(nprocs):
+            proc = ctx.Process(target=_pool_child, daemon=True,
+                               args=(rank, nprocs, port, collective_timeout, self._tasks[rank], self._results))
+            proc.start()
+            self._procs.append(proc)
+        self._alive, self._worn = True, False
+
+    @property
+    def healthy(self) -> bool:
+        return self._alive and not self._worn and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """``fn(rank, nprocs, *args)`` on every rank; the results in rank order (raises
+        :class:`WorkerFailed` as :func:`spawn_local` does, stopping the pool)."""
+        if not self.healthy:
+            raise WorkerFailed("this LocalPool is stopped", kind="died")
+        payload = pickle.dumps((fn, args))
+        for q in self._tasks:
+            q.put(payload)
+        try:
+            reports = _collect(self._procs, self._results, timeout)
+        except BaseException:
+            self.close()
+            raise
+        limit = _fd_limit()
+        self._worn = any(r["fds"] > limit // 2 or r["rss"] > self._max_rss for r in reports)
+        return [r["value"] for r in reports]
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent)."""
+        if not self._alive:
+            return
+        self._alive = False
+        for q in self._tasks:
+            q.put(None)
+        deadline = time.monotonic() + 10
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        _stop(self._procs)
+        for q in (*self._tasks, self._results):
+            q.close()
+            q.join_thread()
+
+
+def _fd_limit() -> int:
+    try:
+        import resource
+
+        return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
+def _rank_usage() -> tuple[int, int]:
+    """(open file descriptors, resident bytes) of this process, 0 where unknown."""
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return fds, rss
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _pool_child(rank: int, nprocs: int, port: int, collective_timeout: float, tasks: Any, results: Any) -> None:
+    """One rank of a :class:`LocalPool`: join the group once, then run tasks until ``None``."""
+    torch.set_num_threads(1)
+    env = dict(os.environ)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
+                            timeout=datetime.timedelta(seconds=collective_timeout))
+    try:
+        while (payload := tasks.get()) is not None:
+            reported = False
+            try:
+                fn, args = pickle.loads(payload)
+                value = fn(rank, nprocs, *args)
+                fds, rss = _rank_usage()
+                results.put((rank, True, pickle.dumps({"value": value, "fds": fds, "rss": rss})))
+                reported = True
+                dist.barrier()  # the next task starts on every rank after this one ended on all
+            except BaseException as exc:  # everything must reach the parent, which then stops the pool
+                if not reported:
+                    kind = "assertion" if isinstance(exc, AssertionError) else "error"
+                    results.put((rank, False, pickle.dumps((kind, traceback.format_exc()))))
+            finally:  # what a fresh rank would start the next task with
+                os.environ.clear()
+                os.environ.update(env)
+                torch.set_num_threads(1)
+                torch.set_grad_enabled(True)
+                gc.collect()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
