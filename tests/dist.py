@@ -62,20 +62,21 @@ def _export_import_path() -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300, fresh: bool = False
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
     Returns the list of per-rank return values (each must be picklable).  Raises the
     first child failure in the parent; remaining children are terminated rather than
     left blocked in a collective.  ``timeout`` (seconds) bounds both the whole run and
-    each gloo collective.
+    each gloo collective.  ``fresh``: new processes for this run (for code whose
+    contract is once per process, like ``tpcompile.smp.init``), not the session's ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _export_import_path()
     try:
-        if os.environ.get("TPCOMPILE_TEST_FRESH_PROCESSES"):
+        if fresh or os.environ.get("TPCOMPILE_TEST_FRESH_PROCESSES"):
             return spawn_local(fn, world_size, *args, timeout=timeout)
         return _pool(world_size).run(fn, *args, timeout=timeout)
     except WorkerFailed as exc:  # a failed assert stays a test failure, a timeout a timeout

@@ -287,14 +287,14 @@ WORLD4 = {
 def world2() -> CaseResults:
     cases: dict = dict(WORLD2)
     cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,), "memory": (_stage_activations,)})
-    return run_cases(2, cases, timeout=900)
+    return run_cases(2, cases, timeout=1800)
 
 
 @pytest.fixture(scope="module")
 def world4() -> CaseResults:
     cases: dict = dict(WORLD4)
     cases.update({"rs2": (_reduce_scatters, 2), "rs4": (_reduce_scatters, 4)})
-    return run_cases(4, cases, timeout=900)
+    return run_cases(4, cases, timeout=1800)
 
 
 def _check(results: list[dict]) -> None:

@@ -274,7 +274,7 @@ def _delayed_init_matches_parallelize() -> bool:
 @pytest.mark.slow
 def test_smp_script_trains_checkpoints_and_exports(tmp_path: Path) -> None:
     want = _uninterrupted()
-    results = run_distributed(_world4, 4, str(tmp_path))
+    results = run_distributed(_world4, 4, str(tmp_path), fresh=True)  # smp.init: once per process
     first = results[0]
     assert [r["state"] for r in results] == [(r, 4, r % 2, 2, 0, r // 2, 2) for r in range(4)]
     assert first["rep_groups"] == [[0], [1], [2], [3]]  # no replicas when every dp rank shards
@@ -287,7 +287,7 @@ def test_smp_script_trains_checkpoints_and_exports(tmp_path: Path) -> None:
         assert r["optim_equal"]
         assert r["local_resumed"] == pytest.approx(first["after"], rel=RESUME_REL)
 
-    second = run_distributed(_world2, 2, str(tmp_path))
+    second = run_distributed(_world2, 2, str(tmp_path), fresh=True)
     for r in second:
         assert r["delayed_equal"]
         assert r["fsdp2_loss"] == pytest.approx(want[0], rel=REL)
