@@ -17,11 +17,13 @@ module adds the tests' import path, their exception types and the case batching 
 costs ~10-20 s of interpreter start-up and imports, usually more than the case itself);
 each test then reads its own case from the result and fails with the case's name.
 
-The ranks of one world size are started once per test session and reused by every run
-(:class:`tpcompile.tools.launch.LocalPool`: a fresh environment, one thread and grad mode
-on between runs; a run that fails stops them and the next one starts new ranks), so the
-suite pays the start-up a few times instead of once per module.  Set
-``TPCOMPILE_TEST_FRESH_PROCESSES=1`` to spawn fresh processes for every run instead.
+With ``TPCOMPILE_TEST_POOL=1`` the ranks of one world size are started once per test
+session and reused by every run (:class:`tpcompile.tools.launch.LocalPool`: a fresh
+environment, one thread and grad mode on between runs; a run that fails stops them and
+the next one starts new ranks), so the suite pays the start-up a few times instead of
+once per module.  Not the default yet: the process groups and device meshes each run
+creates stay alive in the reused ranks (hundreds of gloo threads by mid-suite, slowing
+every later run); they must be destroyed between runs first.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _export_import_path()
     try:
-        if fresh or os.environ.get("TPCOMPILE_TEST_FRESH_PROCESSES"):
+        if fresh or not os.environ.get("TPCOMPILE_TEST_POOL"):
             return spawn_local(fn, world_size, *args, timeout=timeout)
         return _pool(world_size).run(fn, *args, timeout=timeout)
     except WorkerFailed as exc:  # a failed assert stays a test failure, a timeout a timeout
@@ -91,9 +93,8 @@ _POOLS: dict[int, LocalPool] = {}
 
 
 def _pool(world_size: int) -> LocalPool:
-    """The session's ranks for ``world_size``, started on first use and again after a run
-    that failed: a launch costs more than most cases (set TPCOMPILE_TEST_FRESH_PROCESSES=1
-    for fresh processes per run)."""
+    """The session's ranks for ``world_size`` (``TPCOMPILE_TEST_POOL=1``), started on first
+    use and again after a run that failed: a launch costs more than most cases."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool.healthy:
         if pool is not None:
