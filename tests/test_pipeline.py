@@ -182,7 +182,7 @@ def _stage_activations(rank: int, world: int) -> dict:
 def _counting_forward(sm: torch.nn.Module, ran: dict[int, list[int]]) -> Any:
     forward = sm.forward
 
-    def counted(x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, *carried: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         saved: dict[int, Any] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +192,7 @@ def _counting_forward(sm: torch.nn.Module, ran: dict[int, list[int]]) -> Any:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = forward(x, mb)
+            out = forward(x, *carried, mb=mb)
         kept = 0 if sm.last else out.numel() * out.element_size()
         ran.setdefault(sm.index, []).append(sum(s.nbytes() for s in saved.values()) + kept)
         return out
