@@ -272,8 +272,18 @@ def vocab_parallel_cross_entropy(
             rank alike) one that does not fall in exactly one shard's real columns.
     """
     _validate(logits, labels, vocab_start, vocab_size, reduction)
-    check_labels(labels, vocab_size if vocab_size is not None else logits.shape[-1] * dist.get_world_size(group),
-                 ignore_index, "labels")
+    check_labels(labels, _vocab_total(logits, group, vocab_size), ignore_index, "labels")
+    return _checked_cross_entropy(logits, labels, group, vocab_start, vocab_size, ignore_index, reduction)
+
+
+def _vocab_total(logits: Tensor, group: ProcessGroup | None, vocab_size: int | None) -> int:
+    """The whole vocabulary: ``vocab_size``, or every rank's equal shard of columns."""
+    return vocab_size if vocab_size is not None else logits.shape[-1] * dist.get_world_size(group)
+
+
+def _checked_cross_entropy(logits: Tensor, labels: Tensor, group: ProcessGroup | None, vocab_start: int,
+                           vocab_size: int | None, ignore_index: int, reduction: str) -> Tensor:
+    """:func:`vocab_parallel_cross_entropy` on labels :func:`check_labels` has passed."""
     num_valid = _num_valid_columns(logits.shape[-1], vocab_start, vocab_size)
     return _VocabParallelCrossEntropy.apply(
         logits, labels, group, vocab_start, num_valid, ignore_index, reduction
@@ -307,7 +317,7 @@ def loss_parallel_causal_lm_loss(
         raise ValueError(
             f"causal-LM logits must be [..., T, V_local], got shape {tuple(logits.shape)}"
         )
-    total = vocab_size if vocab_size is not None else logits.shape[-1] * dist.get_world_size(group)
+    total = _vocab_total(logits, group, vocab_size)
     if shift_labels is None:
         labels = labels.to(logits.device)
         if tuple(labels.shape) != tuple(logits.shape[:-1]):
@@ -322,15 +332,9 @@ def loss_parallel_causal_lm_loss(
     shift_labels = shift_labels.to(logits.device).contiguous()
 
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = vocab_parallel_cross_entropy(
-        logits,
-        shift_labels,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        ignore_index=ignore_index,
-        reduction=reduction,
-    )
+    _validate(logits, shift_labels, vocab_start, vocab_size, reduction)
+    # the labels were checked above, in the caller's positions: not a second pass here
+    loss = _checked_cross_entropy(logits, shift_labels, group, vocab_start, vocab_size, ignore_index, reduction)
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
