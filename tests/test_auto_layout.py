@@ -65,8 +65,8 @@ def _batches() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"layout": "auto"}, r"needs seq="),
-    ({"layout": "auto", "seq": 0}, r"seq must be a positive integer"),
-    ({"layout": "auto", "seq": SEQ, "batch": True}, r"batch must be a positive integer"),
+    ({"layout": "auto", "seq": 0}, r"seq must be an integer >= 1"),
+    ({"layout": "auto", "seq": SEQ, "batch": True}, r"batch must be an integer >= 1"),
     ({"seq": SEQ}, r"seq= is read only with layout='auto'"),
     ({"hardware": "cpu", "batch": 4}, r"hardware=, batch= are read only with layout='auto'"),
     ({"layout": "auto", "seq": SEQ, "tp": 2, "pp": 2}, r"chooses the layout itself, but tp=, pp= were given"),

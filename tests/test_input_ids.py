@@ -139,6 +139,27 @@ def test_bad_degrees_are_refused_before_any_work(tp: object) -> None:
         tpcompile.transform(_model(), tp=tp)
     with pytest.raises(TPError, match=r"tp must be an integer >= 1, got"):
         tpcompile.from_pretrained("no/such/dir", tp=tp)
+    with pytest.raises(TPError, match=r"tp must be an integer >= 1, got"):  # no process group needed
+        tpcompile.parallelize(_model(), tp=tp)
+    with pytest.raises(TPError, match=r"tp must be an integer >= 1, got"):
+        tpcompile.plan_model(_model(), tp)
+
+
+@pytest.mark.parametrize(("keywords", "message"), [
+    ({"dp_shard": 0}, "dp_shard must be an integer >= 1 (-1 = the rest of the world), got 0"),
+    ({"pp": "2"}, "pp must be an integer >= 1, got '2'"),
+    ({"cp": -1}, "cp must be an integer >= 1, got -1"),
+    ({"ep": 2.0}, "ep must be an integer >= 1, got 2.0"),
+    ({"pp_microbatches": 0}, "pp_microbatches must be an integer >= 1, got 0"),
+    ({"sequence_parallel": "yes"}, "sequence_parallel must be True or False, got 'yes'"),
+    ({"sharding_strategy": "SHARD_EVERYTHING"}, "SHARD_EVERYTHING"),
+    ({"config": {"tensor_parallel_degree": 0}}, "tp must be an integer >= 1, got 0"),
+    ({"dp_shard": -1, "dp_replicate": -1}, "only one of dp_shard and dp_replicate can be -1"),
+])
+def test_parallelize_checks_its_options_before_it_needs_a_process_group(keywords: dict, message: str) -> None:
+    with pytest.raises(TPError) as caught:
+        tpcompile.parallelize(_model(), **keywords)
+    assert message in str(caught.value) and "process group" not in str(caught.value), caught.value
 
 
 @pytest.mark.slow

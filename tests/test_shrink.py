@@ -164,5 +164,5 @@ def test_state_space_heads_tile_the_width(name: str, keys: tuple) -> None:
 def test_count_and_size_helpers() -> None:
     assert count_for_tp(3, 8, 4) == 3 and count_for_tp(12, 8, 4) == 12 and count_for_tp(71, 2, 4) == 5
     assert size_for_tp(128256, 8, 256) == 256 and size_for_tp(50257, 4, 256) % 4 == 1
-    with pytest.raises(TPError, match="tp must be a positive integer"):
+    with pytest.raises(TPError, match="tp must be an integer >= 1"):
         shrink_config(AutoConfig.for_model("llama"), 0)

@@ -312,10 +312,12 @@ def parallelize(
     explicit = {k: v for k, v in given.items() if not _is_default(v, defaults[k])}
     check_layout_request(layout, explicit=explicit, options={"hardware": hardware, "seq": seq, "batch": batch},
                          plan_given=plan is not None)
+    if layout is None:  # degrees, strategy and config are checked before the group is required
+        resolve_config(config, **explicit)
+    _refuse_transformed(model)
     if not dist.is_available() or not dist.is_initialized():
         raise TPError("tpcompile.parallelize needs an initialized process group: launch with torchrun "
                       "and call torch.distributed.init_process_group() first")
-    _refuse_transformed(model)
     search = None
     if isinstance(layout, str):  # "auto": the only string check_layout_request lets through
         search = _choose_layout(model, hardware=hardware, seq=seq, batch=batch)

@@ -247,7 +247,7 @@ class ParallelConfig:
 
 
 def check_degree(name: str, value: Any) -> None:
-    """A parallel degree given to a front door: an integer >= 1 (not a bool, not a string)."""
+    """A degree or count given to a front door: an integer >= 1 (not a bool, not a string)."""
     _check_int(name, value, minimum=1)
 
 

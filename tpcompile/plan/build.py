@@ -34,6 +34,7 @@ from ..analysis.selfcheck import (
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
+from ..config import check_degree
 from ..errors import TPError
 from .experts import expert_plans
 from .modules import (
@@ -89,10 +90,8 @@ def plan_model(
         >>> plan.params["lm_head.weight"].role.value
         'lm_head'
     """
-    if not isinstance(tp, int) or tp < 1:
-        raise TPError(f"tp must be a positive integer, got {tp!r}")
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise TPError(f"ep must be a positive integer, got {ep!r}")
+    check_degree("tp", tp)
+    check_degree("ep", ep)
     t0 = time.perf_counter()
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..config import check_degree
 from ..errors import TPError
 
 __all__ = ["LAYOUT_KEYS", "LAYOUT_VERSION", "Layout", "LayoutSearch", "check_layout_request", "layout_keywords",
@@ -170,8 +171,8 @@ def check_layout_request(layout: Any, *, explicit: Mapping[str, Any], options: M
                           "activations and the step at that length")
         for key in ("seq", "batch"):
             value = options.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise TPError(f"{key} must be a positive integer, got {value!r}")
+            if value is not None:
+                check_degree(key, value)
         conflicts = [f"{k}=" for k in _SEARCH_CHOOSES if k in explicit] + (["plan="] if plan_given else [])
         if conflicts:
             raise TPError(f"layout='auto' chooses the layout itself, but {', '.join(conflicts)} "

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture import Capture, capture
+from ..config import check_degree
 from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
@@ -467,8 +468,8 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     if (batch is None) != (seq is None):
         raise TPError("give both batch and seq (tokens per step = batch × seq), or neither")
     for key, value in (("batch", batch), ("seq", seq), ("dp_shard", dp_shard)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise TPError(f"{key} must be a positive integer, got {value!r}")
+        if value is not None:
+            check_degree(key, value)
     cap = capture(model)
     issues, shared = trace_collectives(model, plan, cap)
     # under FSDP2 (parallelize) fp8=True gathers the FP8 projections' weights in FP8

@@ -56,6 +56,7 @@ from typing import Any
 
 from torch import nn
 
+from ..config import check_degree
 from ..errors import TPError
 from ..plan.layout import Layout  # plan-stage data: the front doors apply it, this module ranks it
 from .hardware import HardwareProfile, device_profile, get_profile
@@ -183,12 +184,9 @@ def plan_layout(model: Any, *, gpus: int, hardware: str | HardwareProfile, batch
     start = time.perf_counter()
     hw = get_profile(hardware)
     gpn = gpus_per_node or hw.gpus_per_node
-    for key, value in (("gpus", gpus), ("seq", seq), ("gpus_per_node", gpn), ("top", top)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TPError(f"{key} must be a positive integer, got {value!r}")
     batch = gpus if batch is None else batch
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise TPError(f"batch must be a positive integer, got {batch!r}")
+    for key, value in (("gpus", gpus), ("seq", seq), ("gpus_per_node", gpn), ("top", top), ("batch", batch)):
+        check_degree(key, value)
     if hw.achievable(dtype) <= 0:
         raise TPError(f"hardware {hw.name!r} has no {dtype} rate; dtypes it has: {', '.join(hw.achievable_flops)}")
     meta, name = _resolve_model(model)

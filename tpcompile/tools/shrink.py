@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from ..errors import TPError
+from ..config import check_degree
 
 __all__ = ["count_for_tp", "shrink_config", "size_for_tp"]
 
@@ -461,8 +461,7 @@ def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -
         >>> small.num_attention_heads % 2, small.num_hidden_layers
         (1, 2)
     """
-    if not isinstance(tp, int) or tp < 1:
-        raise TPError(f"tp must be a positive integer, got {tp!r}")
+    check_degree("tp", tp)
     data = config.to_dict()
     for key in _SUB_CONFIGS:
         sub = getattr(config, key, None)
