@@ -14,15 +14,18 @@ drift of the machine hits them all alike.  Competitors:
 
 Every competitor loads the same checkpoint, and their step-0 losses are checked against
 the untransformed model before anything is timed.  Collectives per step are counted
-with the profiler (gloo events), forward and backward separately.
+with the profiler (gloo events), forward and backward separately.  tpcompile's per-step
+input checks (token ids in the vocabulary-split embedding, labels in the split loss)
+are timed inside the timed steps: their share of the step, target <= 1%.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -197,6 +200,37 @@ def _agree(ok: bool) -> bool:
     return int(flag.item()) == 0
 
 
+GUARDED = ("tpcompile", "tpcompile lp")  # competitors whose input checks are timed in their steps
+
+
+@contextlib.contextmanager
+def _timed_checks(totals: dict[str, float]) -> Iterator[None]:
+    """Time tpcompile's per-step input checks inside the real steps: the token-id check of
+    the vocabulary-split embedding and the label check of the loss over split logits
+    (the input guard's collective runs in the first forwards only, before timing)."""
+    from tpcompile.runtime import loss, torch_backend
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals["s"] += time.perf_counter() - t0
+                totals["calls"] += 1
+        return wrapper
+
+    saved = [(torch_backend, "check_ids"), (loss, "check_labels")]
+    originals = [getattr(mod, name) for mod, name in saved]
+    for (mod, name), fn in zip(saved, originals, strict=True):
+        setattr(mod, name, timed(fn))
+    try:
+        yield
+    finally:
+        for (mod, name), fn in zip(saved, originals, strict=True):
+            setattr(mod, name, fn)
+
+
 def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
     from transformers.utils import logging as hf_logging
@@ -238,13 +272,16 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
     # Timed rounds, order rotated per round; barriers fence each step so the time is
     # that of the slower rank.  Rank 1 waits in the barrier during the tp=1 steps.
     samples: dict[str, list[dict[str, float]]] = {n: [] for n in active}
+    checks = {n: {"s": 0.0, "calls": 0} for n in GUARDED if n in active}
     idle_cpu = idle_wall = 0.0
     for r in range(spec.warmup + spec.repeats):
         shift = r % len(active)
         for name in active[shift:] + active[:shift]:
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            parts = _step(models[name], opts[name], ids) if name in mine else {}
+            timing = r >= spec.warmup and name in checks
+            with _timed_checks(checks[name]) if timing else contextlib.nullcontext():
+                parts = _step(models[name], opts[name], ids) if name in mine else {}
             dist.barrier()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             if name not in mine:
@@ -266,7 +303,7 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
         opts[name].zero_grad(set_to_none=True)
         comms[name] = {"fwd": _count_collectives(p_fwd), "bwd": _count_collectives(p_bwd)}
     return {"samples": samples, "losses": losses, "errors": errors, "comms": comms,
-            "idle_cpu_s": idle_cpu, "idle_wall_s": idle_wall}
+            "idle_cpu_s": idle_cpu, "idle_wall_s": idle_wall, "checks": checks}
 
 
 # ------------------------------------------------------------------------------ section
@@ -367,6 +404,11 @@ def run(quick: bool) -> dict[str, Any]:
         notes.append("scaling efficiency vs tpcompile tp=1 — wall t1/(2·t2), CPU c1/c2: " + ", ".join(
             f"{n} {t1 / (WORLD * _med(wall[n])):.2f} / {c1 / _med([s['cpu'] for s in cpu[n]]):.2f}"
             for n in TP2 if wall.get(n)))
+    for name, total in res["checks"].items():  # the input checks' share of the step (target <= 1%)
+        steps = len(samples[name])
+        per_step = total["s"] / steps
+        notes.append(f"input checks (token ids, labels) in {name}: {total['calls'] / steps:.0f} per step, "
+                     f"{per_step * 1e3:.3f} ms = {per_step / _med(wall[name]):.3%} of the step (target <= 1%)")
     idle = per_rank[1]
     if idle["idle_wall_s"]:
         notes.append(f"idle rank 1 during tp=1 steps used {idle['idle_cpu_s']:.2f} s CPU in "

@@ -13,8 +13,8 @@ equal too; each case asserts which attention core ran (the mask-free blocks or t
 and the blocks equal the masked softmax on their own.  A model that mixes positions
 outside attention (Mamba's convolution over time) is refused at parallelize time, naming
 the module and op; ``generate()`` (a KV cache) is refused clearly, and so are a router's
-load-balancing loss and a loader that hands the ranks of a CP group different sequences;
-a sharded checkpoint taken at cp=2 resumes at cp=1.  The cost model's collectives and
+load-balancing loss and a loader that hands the ranks of a CP group different sequences
+(in training and in eval); a sharded checkpoint taken at cp=2 resumes at cp=1.  The cost model's collectives and
 activation memory match a real step; ``verify --cp`` passes and names an injected fault.
 """
 
@@ -169,6 +169,12 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
         other(input_ids=ids, labels=ids)
     except TPError as err:
         result["batches"] = str(err)
+    other = tpcompile.parallelize(_build("llama", "sdpa"), cp=2).eval()  # an evaluation loop too
+    try:
+        with torch.no_grad():
+            other(input_ids=ids, labels=ids)
+    except TPError as err:
+        result["eval_batches"] = str(err)
     return result
 
 
@@ -370,6 +376,7 @@ def test_context_parallel_refuses_what_it_cannot_split(world2: CaseResults) -> N
         assert "mixer" in r["mamba"], r["mamba"]
         assert "KV cache" in r["generate"], r["generate"]
         assert "different batches" in r["batches"], r["batches"]
+        assert "different batches" in r.get("eval_batches", ""), r
         assert "output_router_logits" in r["router"], r
         assert r["resumed"] < TOL, r
 

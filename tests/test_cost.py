@@ -2,7 +2,9 @@
 
 The prediction (``tpcompile.tools.estimate_cost`` on a meta-device copy, no process
 group) must equal, per rank, the collectives one forward + backward actually issues
-(after two warm-up steps, so one-time work is not counted):
+(after two warm-up steps, so one-time work is not counted), and the eval step
+(``no_grad`` forwards with and without labels; the first two add the input guard's
+all-gather) equals dump-plan's ``eval_step`` and ``input_guard``:
 every ``torch.distributed`` function the code can reach is wrapped and counted, with
 the bytes of the tensor the rank passes in; a dispatch mode counts the same step's
 ``c10d`` ops, so a collective that bypassed the wrappers would show up as a mismatch.
@@ -116,8 +118,10 @@ def _predicted(name: str, overrides: dict, tp: int, dp_shard: int, loss_parallel
     model = _build(name, overrides)  # a fresh, untransformed copy: no process group needed
     plan = tpcompile.plan_model(model, tp, loss_parallel=loss_parallel)
     cost = estimate_cost(model, plan, batch=BATCH, seq=SEQ, dp_shard=dp_shard)
-    return {phase: {op: (v["count"], v["bytes"]) for op, v in ops.items() if v["count"]}
-            for phase, ops in cost["per_step"].items()}
+    out = {phase: {op: (v["count"], v["bytes"]) for op, v in ops.items() if v["count"]}
+           for phase, ops in (*cost["per_step"].items(), *cost["eval_step"].items())}
+    out["guard"] = cost["input_guard"]
+    return out
 
 
 def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, dict]]:
@@ -149,8 +153,25 @@ def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, d
                     opt.step()
             counted[phase] = {op: (len(v), sum(v)) for op, v in log.items() if v}
             debug[phase] = mode.count
-        out.append((_predicted(name, overrides, tp, dp_shard, loss_parallel), counted, debug))
+        out.append((_predicted(name, overrides, tp, dp_shard, loss_parallel), counted, debug,
+                    _eval_steps(model, ids)))
         dist.barrier()
+    return out
+
+
+def _eval_steps(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, dict, int]]:
+    """Eval forwards under ``no_grad`` as an evaluation loop runs them: the first two with
+    labels are the input guard's (its all-gather on top), the third is the steady state;
+    then one without labels (no loss)."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for kind in ("guarded", "guarded", "labels", "no_labels"):
+            log: dict[str, list[int]] = defaultdict(list)
+            with _counting(log), _Dispatched() as mode:
+                model(ids) if kind == "no_labels" else model(ids, labels=ids)
+            out.append((kind, {op: (len(v), sum(v)) for op, v in log.items() if v}, mode.count))
+    model.train()
     return out
 
 
@@ -170,13 +191,28 @@ _FSDP_CASES = [(name, {}, 2, 2, False) for name in ("llama", "gpt2", "mixtral", 
 
 def _check(results: list[list[tuple[dict, dict, dict]]], cases: list[tuple]) -> None:
     for rank_results in results:
-        for case, (predicted, counted, debug) in zip(cases, rank_results, strict=True):
+        for case, (predicted, counted, debug, evals) in zip(cases, rank_results, strict=True):
+            _check_eval(case, predicted, evals)
             assert counted["step"] == {}, (case, counted["step"])  # AdamW on DTensors: local
             for phase in ("forward", "backward"):
                 assert set(counted[phase]) <= set(COLLECTIVES), (case, phase, counted[phase])
                 assert predicted[phase] == counted[phase], (case, phase, predicted[phase], counted[phase])
                 # nothing reached the process group around the wrappers
                 assert debug[phase] == sum(c for c, _ in counted[phase].values()), (case, phase, debug)
+
+
+def _check_eval(case: tuple, predicted: dict, evals: list[tuple[str, dict, int]]) -> None:
+    """Every eval forward against dump-plan's eval step; the guarded ones add the input
+    guard's all-gather (tp > 1), the forwards after them are the eval step exactly."""
+    guard = predicted["guard"]
+    assert guard["forwards"] == (2 if case[2] > 1 else 0), (case, guard)
+    for i, (kind, counted, dispatched) in enumerate(evals):
+        want = dict(predicted["no_labels" if kind == "no_labels" else "labels"])
+        if kind == "guarded" and guard["forwards"] > i:
+            n, b = want.get("all_gather", (0, 0))
+            want["all_gather"] = (n + guard["all_gather"]["count"], b + guard["all_gather"]["bytes"])
+        assert counted == want, (case, i, kind, counted, want)
+        assert dispatched == sum(c for c, _ in counted.values()), (case, kind, dispatched)
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ batch (each data-parallel rank takes its slice; losses are token means): the los
 steps.  mixtral, qwen3_moe and qwen2_moe (a shared expert beside the routed ones) run at
 ep=2 (world 2, tp=1) and ep=2 x tp=2 (world 4); GPT-OSS (expert biases), activation
 checkpointing, efsdp=2 and HSDP join them; the checkpoint cases share the world-2 launch.
-Fast unit tests cover detection from the dataflow and the config errors.
+At tp=2 x ep=2 a token id or label outside the vocabulary is refused (with and without
+sequence parallelism).  Fast unit tests cover detection from the dataflow and the config
+errors.
 """
 
 from __future__ import annotations
@@ -169,6 +171,24 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict]], root: Path | 
         with pytest.raises(TPError, match="expert_parallel_degree=2 is applied by tpcompile.parallelize"):
             tsm.transform(_build("mixtral"))
         out["smp"] = (tsm.state.ep_rank, tsm.state.ep_size)
+        out["bad_input"] = _bad_input()
+    return out
+
+
+def _bad_input() -> dict[str, str | None]:
+    """tp=2 x ep=2: a token id and a label outside the vocabulary are refused where they
+    enter (the vocabulary-split embedding, the loss over split logits), with and without
+    sequence parallelism; each data-parallel rank checks its own batch, no collective."""
+    from dist import refusal
+
+    ids = _batches()[0][:2]
+    out = {}
+    for sp in (False, True):
+        model = tpcompile.parallelize(_build("mixtral"), tp=2, ep=2, sequence_parallel=sp)
+        bad = ids.clone()
+        bad[1, 4] = 256
+        out[f"ids sp={sp}"] = refusal(lambda m=model, bad=bad: m(input_ids=bad, labels=ids))
+        out[f"labels sp={sp}"] = refusal(lambda m=model, bad=bad: m(input_ids=ids, labels=bad))
     return out
 
 
@@ -237,6 +257,10 @@ def test_world4_ep2_tp2_matches_single_process() -> None:
     assert [r["mixtral/0"]["ep_rank"] for r in results] == [0, 0, 1, 1]
     assert [r["mixtral/3"]["ep_rank"] for r in results] == [0, 1, 0, 1]  # dp_shard = efsdp x ep
     assert [r["smp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    for r in results:
+        for name, text in r["bad_input"].items():
+            what = "token id 256" if name.startswith("ids") else "label 256"
+            assert text is not None and what in text and "position [1, 4]" in text, (name, text)
 
 
 # ---------------------------------------------------------------- fast, one process

@@ -46,7 +46,7 @@ from ..errors import TPError
 from ..plan.context import attention_configs
 from . import comm
 from .context_attention import block_attention, block_layout, eager_attention
-from .markers import input_checksum
+from .markers import GUARDED_FORWARDS, input_checksum
 
 __all__ = ["ContextParallel", "cp_attention", "gather_sequence", "install_context_parallel"]
 
@@ -78,7 +78,8 @@ class ContextParallel:
         # runs as blocks, without the [s_local, S] mask
         self.plain = False
         self.paths: Counter[str] = Counter()  # attention calls per core ("blocks" / "mask")
-        self.checks_left = 2  # training forwards whose batch is compared over the group
+        # forwards whose batch is compared over the group, in training and in eval mode each
+        self.checks_left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}
 
     def index(self, length: int, rank: int, device: torch.device) -> torch.Tensor:
         """The positions rank ``rank`` holds of a padded length: chunks r and 2cp-1-r."""
@@ -87,8 +88,10 @@ class ContextParallel:
         last = torch.arange((2 * self.size - 1 - rank) * chunk, (2 * self.size - rank) * chunk, device=device)
         return torch.cat([first, last])
 
-    def split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The local slice of one call's inputs (every rank holds the same full batch)."""
+    def split(self, args: tuple, kwargs: dict, training: bool | None) -> tuple[tuple, dict]:
+        """The local slice of one call's inputs (every rank holds the same full batch);
+        ``training``: the model's mode, whose first forwards compare the batch over the
+        group (``None``: a probe that checks nothing)."""
         kwargs = dict(kwargs)
         if args:
             kwargs.setdefault("input_ids", args[0])
@@ -104,7 +107,8 @@ class ContextParallel:
         if kwargs.get("output_router_logits"):
             raise TPError("context parallelism: output_router_logits=True asks for a load-balancing loss over the "
                           "whole sequence, but each rank routes only its positions; call without it")
-        self._same_batch(ids, kwargs.get("labels"))
+        if training is not None:
+            self._same_batch(ids, kwargs.get("labels"), training)
         b, length = ids.shape
         padded = -(-length // (2 * self.size)) * (2 * self.size)
         pad = padded - length
@@ -148,13 +152,14 @@ class ContextParallel:
         _ACTIVE[0] = self
         return args, kwargs
 
-    def _same_batch(self, ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+    def _same_batch(self, ids: torch.Tensor, labels: torch.Tensor | None, training: bool) -> None:
         """Every rank of the group must hold the same sequences (a loader that shards by
-        process would train a silently wrong model): compared in the first training
-        forwards, one small all-gather each."""
-        if self.checks_left <= 0 or not torch.is_grad_enabled():
+        process would train a silently wrong model, an evaluation loop would report a wrong
+        loss): compared in the first training and the first eval forwards, one small
+        all-gather each."""
+        if self.checks_left[training] <= 0:
             return
-        self.checks_left -= 1
+        self.checks_left[training] -= 1
         sums = torch.stack([input_checksum(t) for t in (ids, labels) if t is not None])
         everyone = [torch.empty_like(sums) for _ in range(self.size)]
         dist.all_gather(everyone, sums, group=self.group)
@@ -252,7 +257,7 @@ def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), implementation)
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cp.split(args, kwargs)
+        return cp.split(args, kwargs, bool(mod.training))
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         loss = getattr(out, "loss", None)
@@ -272,9 +277,9 @@ def install_context_parallel(model: nn.Module, cp_mesh: Any) -> ContextParallel:
 
 def _local_view(cp: ContextParallel, microbatch: dict[str, Any]) -> dict[str, Any]:
     """``microbatch`` as this rank's model sees it after the split (shapes for the
-    pipeline's stage metadata; no collective: the batch check runs in training forwards)."""
+    pipeline's stage metadata; no collective: the batch is checked in the model's forwards)."""
     with torch.no_grad():
-        return cp.split((), microbatch)[1]
+        return cp.split((), microbatch, None)[1]
 
 
 def register_attention(key: str, fn: Any) -> None:

@@ -23,11 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 
-__all__ = ["input_checksum", "mark_model", "mesh_degrees"]
+__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "input_checksum", "mark_model", "mesh_degrees"]
 
-# forwards whose inputs are compared across the TP group, in training and in eval mode
-# each (the first eval forward of generate() is its prompt)
-_GUARDED_FORWARDS = 2
+# forwards whose inputs are compared across the TP (and CP) group, in training and in eval
+# mode each (the first eval forward of generate() is its prompt)
+GUARDED_FORWARDS = 2
+CHECKSUM_BYTES = 3 * 8  # input_checksum: three int64 per integer input tensor
 
 
 def mesh_degrees(model: nn.Module) -> tuple[int, int, int]:
@@ -75,7 +76,7 @@ class _InputGuard:
     checked forward; afterwards it costs nothing."""
 
     def __init__(self) -> None:
-        self.left = {True: _GUARDED_FORWARDS, False: _GUARDED_FORWARDS}  # by model.training
+        self.left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}  # by model.training
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         mode = bool(model.training)

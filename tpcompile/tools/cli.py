@@ -436,7 +436,7 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
 def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], *,
                   start: float, cost: dict[str, Any]) -> str:
     from .cost_context import context_summary
-    from .cost_render import render_modules, render_summary
+    from .cost_render import render_eval, render_modules, render_summary
 
     rows, total_bytes = _param_rows(plan, dtypes)
     header = ["parameter", "role", "global → per-rank shape", "layout", "per-rank bytes"]
@@ -455,6 +455,7 @@ def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], 
         f"analysis {stats.get('analysis_s', 0.0):.2f} s, "
         f"total {time.perf_counter() - start:.2f} s",
         render_summary(cost),
+        render_eval(cost),
         *context_summary(cost),
     ]
     return "\n".join(out)

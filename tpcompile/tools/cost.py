@@ -49,6 +49,7 @@ from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
+from ..runtime.markers import CHECKSUM_BYTES, GUARDED_FORWARDS
 from .cost_params import Issue, fp8_gathered, fp8_issues, fsdp_issues, local_shape, memory
 
 __all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
@@ -446,6 +447,24 @@ def _totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict
     return out
 
 
+def _eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """An evaluation loop's forward under ``no_grad``: the training forward's collectives
+    (FSDP2 gathers every unit in it as in training, FP8 takes its amaxes), with labels
+    and without them (no loss, none of its collectives)."""
+    return {"labels": _totals(issues, tokens)["forward"],
+            "no_labels": _totals([i for i in issues if i.source != "loss"], tokens)["forward"]}
+
+
+def _input_guard(tp: int, cp: int) -> dict[str, Any]:
+    """What the input guard adds: in the first forwards in training and again in eval
+    mode (an evaluation loop, ``generate()``'s prompt), every TP and CP group all-gathers
+    a checksum of each integer input tensor (ids and labels: two)."""
+    groups = [g for g, n in (("tp", tp), ("cp", cp)) if n > 1]
+    return {"forwards": GUARDED_FORWARDS if groups else 0, "groups": groups,
+            "all_gather": {"count": len(groups), "bytes": len(groups) * 2 * CHECKSUM_BYTES,
+                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES}}
+
+
 def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq: int | None = None,
                   dp_shard: int = 1, fp8: bool = False, cp: int = 1) -> dict[str, Any]:
     """The ``cost`` section of ``dump-plan``: per-rank collectives and memory of one step.
@@ -457,7 +476,9 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     ``fp8=True`` adds the amax all-reduces of FP8 projections (``fp8=True`` in transform);
     with ``dp_shard > 1`` their weights are all-gathered in FP8 (``parallelize``'s default);
     ``cp > 1`` context parallelism's key / value all-gathers (``batch × seq`` are then
-    the whole sequences a CP group shares).
+    the whole sequences a CP group shares).  ``eval_step`` is an evaluation loop's
+    forward (with and without labels); ``input_guard`` the all-gather the first forwards
+    in training and in eval mode add (tp or cp > 1).
 
     Example:
         >>> plan = plan_model(model, tp=2)                          # doctest: +SKIP
@@ -504,6 +525,8 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     return {
         "tp": plan.tp, "dp_shard": dp_shard, "cp": cp, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
         "per_step": _totals(issues, tokens),
+        "eval_step": _eval_step(issues, tokens),
+        "input_guard": _input_guard(plan.tp, cp),
         "memory_per_rank": mem,
         "activations": activations,
         "issues": [_issue_dict(i) for i in issues],

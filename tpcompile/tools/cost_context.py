@@ -66,10 +66,10 @@ def context_forward(shadow: nn.Module, mode: Any, pack: Any, cp: int, batch: int
     for config in attention_configs(shadow):
         config._attn_implementation_internal = _ESTIMATE_KEY
     rank0 = Repeated(None, cp, 0, implementation)
-    rank0.checks_left = 0  # no group to compare batches over
     active = context._ACTIVE[0]
     try:
-        _, kwargs = rank0.split((), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
+        # no group to compare batches over: the split checks nothing
+        _, kwargs = rank0.split((), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}, None)
         with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for name, value in list(vars(rank0).items()):  # its positions, as fake tensors
                 if isinstance(value, torch.Tensor):

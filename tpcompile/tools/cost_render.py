@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["human_bytes", "render_modules", "render_summary", "table"]
+__all__ = ["human_bytes", "render_eval", "render_modules", "render_summary", "table"]
 
 
 def human_bytes(n: float) -> str:
@@ -79,22 +79,37 @@ def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
     return lines or ["none"]
 
 
+def _ops(table: dict[str, dict[str, Any]], tokens: int | None) -> str:
+    parts = []
+    for op, v in table.items():
+        if not v["count"]:
+            continue
+        if tokens is None:
+            size = f"{human_bytes(v['bytes_per_token'])}/token" + \
+                (f" + {human_bytes(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
+        else:
+            size = human_bytes(v["bytes"])
+        parts.append(f"{v['count']} {op} {size}")
+    return ", ".join(parts) or "none"
+
+
+def render_eval(cost: dict[str, Any]) -> str:
+    """The eval step (an evaluation loop's forward) and what the input guard adds."""
+    tokens, ev, guard = cost["tokens"], cost["eval_step"], cost["input_guard"]
+    line = f"eval step (forward only): with labels {_ops(ev['labels'], tokens)}; without {_ops(ev['no_labels'], tokens)}"
+    if guard["forwards"]:
+        g = guard["all_gather"]
+        line += (f"; input guard: the first {guard['forwards']} training and {guard['forwards']} eval forwards add "
+                 f"{g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: checksums of ids "
+                 "and labels)")
+    return line
+
+
 def render_summary(cost: dict[str, Any]) -> str:
     """The one summary line of a step: collectives, bytes, memory per rank."""
     tokens = cost["tokens"]
-    phases = []
-    for phase in ("forward", "backward"):
-        parts = []
-        for op, v in cost["per_step"][phase].items():
-            if not v["count"]:
-                continue
-            if tokens is None:
-                size = f"{human_bytes(v['bytes_per_token'])}/token" + \
-                    (f" + {human_bytes(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
-            else:
-                size = human_bytes(v["bytes"])
-            parts.append(f"{v['count']} {op} {size}")
-        phases.append(f"{'fwd' if phase == 'forward' else 'bwd'} {', '.join(parts) or 'none'}")
+    phases = [f"{'fwd' if phase == 'forward' else 'bwd'} {_ops(cost['per_step'][phase], tokens)}"
+              for phase in ("forward", "backward")]
     mem = cost["memory_per_rank"]
     act = "activations need --batch/--seq" if tokens is None else \
         "activations n/a" if mem["activations"] is None else f"activations {human_bytes(mem['activations'])}"
