@@ -22,6 +22,7 @@ gradients equal gradient accumulation over the same microbatches.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -218,6 +219,22 @@ def _refusals(rank: int, world: int) -> dict:
     return {name: refusal(attempt) for name, attempt in attempts.items()}
 
 
+def _bad_batches(rank: int, world: int) -> dict:
+    """A token id or label outside the vocabulary, and different batches on the two pp
+    ranks: refused on every rank before the schedule (a stage raising alone would leave
+    its partner waiting in a receive); a good step runs afterwards."""
+    model = tpcompile.parallelize(_build("llama"), pp=2, pp_microbatches=4)
+    out: dict[str, Any] = {}
+    for name, key, value in (("ids", "input_ids", 300), ("labels", "labels", 256)):
+        bad = {k: v.clone() for k, v in _batch().items()}
+        bad[key][1, 3] = value
+        out[name] = refusal(lambda bad=bad: tpcompile.pipeline_step(model, bad))
+    rolled = {k: v.roll(rank, 0) for k, v in _batch().items()}  # rank 1 holds another order
+    out["differ"] = refusal(lambda: tpcompile.pipeline_step(model, rolled))
+    out["after"] = tpcompile.pipeline_step(model, _batch()).item()
+    return out
+
+
 def _trainer(model: torch.nn.Module) -> Any:
     """A plain HF Trainer on a pipelined model: its training_step calls model(**inputs)."""
     import tempfile
@@ -286,7 +303,8 @@ WORLD4 = {
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
     cases: dict = dict(WORLD2)
-    cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,), "memory": (_stage_activations,)})
+    cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,), "memory": (_stage_activations,),
+                  "bad_batches": (_bad_batches,)})
     return run_cases(2, cases, timeout=1800)
 
 
@@ -370,6 +388,16 @@ def test_what_a_pipeline_cannot_take_is_refused_by_name(world2: CaseResults) -> 
                   "trainer": "pipeline_step"}
         for name, text in wanted.items():
             assert errors[name] is not None and text in errors[name], (name, errors[name])
+
+
+@pytest.mark.slow
+def test_bad_batches_are_refused_on_every_stage(world2: CaseResults) -> None:
+    results = world2["bad_batches"]
+    for r in results:
+        assert r["ids"] is not None and "token id 300 at position [1, 3]" in r["ids"], r
+        assert r["labels"] is not None and "label 256 at position [1, 3]" in r["labels"], r
+        assert r["differ"] is not None and "different batches" in r["differ"], r
+    assert results[0]["after"] == results[1]["after"] and math.isfinite(results[0]["after"]), results
 
 
 def test_pipeline_step_without_pp_is_forward_and_backward() -> None:

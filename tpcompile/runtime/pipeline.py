@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map_only
 from ..analysis.boundaries import Boundaries, meta_copy, probe_boundaries, recorded_outputs
 from ..errors import TPError
 from ..plan.stages import Stage, StagePlan
+from .markers import GUARDED_FORWARDS
 
 __all__ = ["PipelineRun", "StageModule", "TiedParameter", "split_model", "sum_tied_gradients"]
 
@@ -94,6 +95,7 @@ class PipelineRun:
     localize: list[Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=list)
     splits: list[tuple[int, int]] = field(default_factory=list)
     on_enter: list[Callable[[tuple, dict], None]] = field(default_factory=list)
+    batch_checks: int = GUARDED_FORWARDS  # steps whose batch is still compared over the pp group
 
     def owns(self, stage: Stage) -> bool:
         return stage.rank == self.pp_rank

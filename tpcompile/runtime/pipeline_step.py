@@ -18,7 +18,10 @@ from torch import nn
 
 from ..errors import TPError
 from ..plan.stages import SCHEDULES
+from .loss import check_labels
+from .markers import input_checksum
 from .pipeline import PipelineRun, sum_tied_gradients
+from .torch_backend import check_ids
 
 __all__ = ["clip_grad_norm_", "pipeline_step"]
 
@@ -49,6 +52,14 @@ def _split(batch: dict[str, Any], m: int) -> list[dict[str, Any]]:
     return out
 
 
+def _loss_kind(model: nn.Module, labels: torch.Tensor) -> str:
+    """``causal`` (labels shifted by one), ``masked`` (token labels) or ``other``."""
+    kind = str(getattr(model, "loss_type", "") or "")
+    if "CausalLM" in kind or (not kind and labels.dim() == 2):
+        return "causal"
+    return "masked" if "MaskedLM" in kind else "other"
+
+
 def _weights(model: nn.Module, mbs: list[dict[str, Any]]) -> list[float]:
     """Each microbatch's share of the batch's loss: its mean loss times its share of the
     tokens the loss averages over (causal LM: labels shifted by one; masked LM: the
@@ -56,13 +67,13 @@ def _weights(model: nn.Module, mbs: list[dict[str, Any]]) -> list[float]:
     if any("labels" not in mb for mb in mbs):
         raise TPError("pipeline_step: the batch has no labels; the last stage computes the model's own loss "
                       "from them (pass labels=..., as for model(**batch).loss)")
-    kind = str(getattr(model, "loss_type", "") or "")
     counts = []
     for mb in mbs:
         labels = mb["labels"]
-        if "CausalLM" in kind or (not kind and labels.dim() == 2):
+        kind = _loss_kind(model, labels)
+        if kind == "causal":
             counts.append(int((labels[..., 1:] != _IGNORE).sum()))
-        elif "MaskedLM" in kind:
+        elif kind == "masked":
             counts.append(int((labels != _IGNORE).sum()))
         else:
             counts.append(int(labels.shape[0]))
@@ -70,6 +81,50 @@ def _weights(model: nn.Module, mbs: list[dict[str, Any]]) -> list[float]:
     if total == 0:
         raise TPError("pipeline_step: every label in the batch is ignore_index (-100): the loss is undefined")
     return [c / total for c in counts]
+
+
+def _check_batch(run: PipelineRun, model: nn.Module, batch: dict[str, Any]) -> None:
+    """Refuse on every stage what one stage alone would refuse, and batches that differ
+    across the pipeline.
+
+    A token id outside the vocabulary raises in the first stage's embedding, a label
+    outside it in the last stage's loss; raised there alone, the other stages would wait
+    in the schedule's receives until the process group times out.  So every rank checks
+    the whole batch's ids and labels before the schedule runs (no collective).  And the
+    first stage reads the ids while the last reads the labels: a loader that hands a
+    pipeline's ranks different batches (a sampler sharding over every rank) would train
+    on one batch's ids with another's labels, silently.  The first steps compare a
+    checksum of the integer inputs over the pp group, as the TP input guard does."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            check_ids(ids, vocab, "pipeline_step: input_ids")
+        labels = batch.get("labels")
+        if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+            kind = _loss_kind(model, labels)
+            if kind == "causal":  # the first label is never a target, as in transformers
+                check_labels(labels[..., 1:], vocab, _IGNORE, "pipeline_step", shift=1)
+            elif kind == "masked":
+                check_labels(labels, vocab, _IGNORE, "pipeline_step")
+    if run.batch_checks <= 0:
+        return
+    run.batch_checks -= 1
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.numel()]
+    if not tensors:
+        return
+    sums = torch.stack([input_checksum(t) for t in tensors])
+    group = run.pp_mesh.get_group()
+    everyone = [torch.empty_like(sums) for _ in range(run.pp_mesh.size())]
+    dist.all_gather(everyone, sums, group=group)
+    differ = [r for r, x in enumerate(everyone) if x.shape != sums.shape or not torch.equal(x, everyone[0])]
+    if differ:
+        raise TPError(f"pipeline_step: the ranks of a pipeline received different batches (pp ranks {differ} "
+                      "differ from the first stage's); every rank of a pipeline must pass the same batch (the "
+                      "first stage reads its ids, the last its labels). Give each data-parallel rank the slice "
+                      "tpcompile.data_parallel_rank(model) names, the same on every pp rank")
 
 
 def _loss_of_output(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -130,7 +185,9 @@ def pipeline_step(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     ``pp > 1`` it is split into ``pp_microbatches`` run under the model's schedule; the
     gradients equal those of ``model(**batch).loss.backward()`` on the unsplit model
     (accumulated over the microbatches, reduced by FSDP2 once).  Every rank of a pipeline
-    passes the same batch.  Without pp it is exactly that backward.
+    passes the same batch (compared over the pipeline in the first steps); a token id or
+    label outside the vocabulary is refused on every rank before the schedule runs.
+    Without pp it is exactly that backward.
 
     Example:
         >>> model = tpcompile.parallelize(model, pp=2, tp=2)              # doctest: +SKIP
@@ -147,6 +204,7 @@ def pipeline_step(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         out.loss.backward()
         return out.loss.detach()
     m = run.plan.microbatches
+    _check_batch(run, model, batch)
     mbs = _split(batch, m)
     run.microbatches, run.weights = mbs, _weights(model, mbs)
     device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
