@@ -15,7 +15,9 @@ FSDP2 the weights are all-gathered in FP8 with the whole weight's scale (exact w
 activation checkpointing, delayed init and uneven shards too; bytes and collectives as
 priced; a block run alone after a step rescales).  State dicts, HF saves and sharded
 checkpoints stay in high precision (a checkpoint resumes with FP8 off); what autograd
-saves equals the activation estimate; ``torch.compile`` (aot_eager) equals eager.
+saves equals the activation estimate; ``torch.compile`` (aot_eager) equals eager.  Under
+pipeline parallelism (pp=2, and pp2 x dp_shard2 with FP8 gathers) the first step's loss and
+every scale equal one process's torchao FP8 accumulating the same microbatches.
 """
 
 from __future__ import annotations
@@ -383,6 +385,41 @@ def _saved(rank: int, world: int) -> dict:
     return {"ran": ran[1] - ran[0], "estimated": est[1] - est[0]}
 
 
+def _pipelined(rank: int, world: int, layout: dict) -> dict:
+    """FP8 under pp: the first step's loss and every scale against one process's torchao
+    FP8 with gradient accumulation over the same 4 microbatches (each microbatch casts
+    with its own amaxes, so the whole batch at once is not the reference); each rank
+    records its stages' scales, the reference all of them."""
+    import torch.distributed as dist
+    from torchao.float8 import convert_to_float8_training
+
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+    model = tpcompile.parallelize(_build("llama", "sdpa"), fp8=True, pp_microbatches=4, **layout)
+    with _Amaxes() as seen:
+        loss = tpcompile.pipeline_step(model, batch).item()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (sorted(model.tpcompile_fp8), sorted(set(seen))))
+    chosen = set().union(*(c for c, _ in every))
+    ref = _build("llama", "sdpa")
+    convert_to_float8_training(ref, module_filter_fn=lambda m, fqn: fqn in chosen)
+    want = 0.0
+    with _Amaxes() as ref_seen:
+        for mb in ids.chunk(4):  # no ignored labels: equal weights
+            part = ref(input_ids=mb, labels=mb).loss / 4
+            part.backward()
+            want += part.item()
+    return {"loss": loss, "want": want, "amaxes": sorted(set().union(*(a for _, a in every))),
+            "ref_amaxes": sorted(set(ref_seen)), "chosen": sorted(chosen)}
+
+
+def _check_pipelined(results: list[dict]) -> None:
+    for r in results:
+        assert r["chosen"] and r["amaxes"], r
+        assert abs(r["loss"] - r["want"]) <= REL * abs(r["want"]), r
+        assert not _unmatched(r["amaxes"], r["ref_amaxes"]) and not _unmatched(r["ref_amaxes"], r["amaxes"]), r
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases: dict = {key: (_tp, *spec) for key, spec in CASES.items()}
@@ -390,6 +427,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases["counted"] = (_counted,)
     cases["saved"] = (_saved,)
     cases["compiled"] = (_compiled,)
+    cases["pp2"] = (_pipelined, {"pp": 2, "pp_schedule": "1f1b"})
     return run_cases(2, cases, timeout=900)
 
 
@@ -397,7 +435,8 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
 def world4(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases = {"fsdp": (_fsdp,), "fsdp_hp_gather": (_fsdp_hp_gather,), "fsdp_checkpointing": (_fsdp, True, True),
              "stale": (_stale,), "meta": (_meta,),
-             "gather_counted": (_gather_counted,), "resume": (_resume, str(tmp_path_factory.mktemp("fp8_4")))}
+             "gather_counted": (_gather_counted,), "resume": (_resume, str(tmp_path_factory.mktemp("fp8_4"))),
+             "pp2_dp2": (_pipelined, {"pp": 2, "dp_shard": 2})}
     return run_cases(4, cases, timeout=1500)
 
 
@@ -423,6 +462,13 @@ def test_fp8_under_fsdp2_and_tp_equals_single_process_torchao(world4: CaseResult
         _check(r)
         # fp8=True gathers every chosen projection's weight in FP8; torchao's default config does not
         assert r["gathered"] == (0 if case == "fsdp_hp_gather" else len(r["chosen"])), r
+
+
+@pytest.mark.slow
+def test_fp8_under_pp_equals_single_process_torchao_accumulation(world2: CaseResults, world4: CaseResults) -> None:
+    # world 4: FP8 all-gathers of each stage's weights, their scales reduced over the stage's ranks only
+    _check_pipelined(world2["pp2"])
+    _check_pipelined(world4["pp2_dp2"])
 
 
 @pytest.fixture(scope="module")

@@ -172,8 +172,9 @@ def apply_fp8_gather(job: Job) -> None:
     if job.fp8 is None or job.fp8 is False or job.cfg is None:
         return
     from .runtime.fp8_gather import install_gather_scales
+    from .runtime.mesh import stage_group
 
-    install_gather_scales(job.model)
+    install_gather_scales(job.model, stage_group(job.whole_mesh))
 
 
 def apply_cp(job: Job) -> None:

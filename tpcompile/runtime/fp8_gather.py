@@ -132,7 +132,7 @@ def _scale_of(module: nn.Module, shard: Float8GatherWeight) -> torch.Tensor:
     if cached is not None and version is not None and cached[1] == version:
         return cached[0]
     amax = torch._foreach_norm([shard._tensor], ord=math.inf)[0].float()  # max |w|; an empty shard: 0
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=getattr(module, "fp8_gather_group", None))
     scale = _amax_to_scale(amax, module)
     module.fp8_gather_scale = (scale, version)
     return scale
@@ -167,9 +167,11 @@ def _gathered(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
     return out
 
 
-def install_gather_scales(model: nn.Module) -> None:
+def install_gather_scales(model: nn.Module, group: Any = None) -> None:
     """Before FSDP2's first all-gather of each forward of ``model`` (the root): every
-    FP8-gathered weight's scale from one MAX all-reduce of their amaxes."""
+    FP8-gathered weight's scale from one MAX all-reduce of their amaxes over ``group``,
+    the ranks holding parts of this model's weights (``None``: every rank; a pipeline
+    stage's ranks under pp, whose other stages hold other weights)."""
 
     @torch.no_grad()
     def precompute(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -178,9 +180,10 @@ def install_gather_scales(model: nn.Module) -> None:
             return
         norms = torch._foreach_norm([p._local_tensor._tensor for _, p in pairs], ord=math.inf)
         amax = torch.stack([n.float() for n in norms])  # exact: a max of bf16 values is one
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         for i, (m, p) in enumerate(pairs):
             m.fp8_gather_scale = (_amax_to_scale(amax[i], m), p._version)
+            m.fp8_gather_group = group
 
     # prepended after fully_shard: runs before FSDP2's own pre-forward (its all-gathers)
     model.register_forward_pre_hook(precompute, prepend=True, with_kwargs=True)

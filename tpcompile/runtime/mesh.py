@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..errors import TPError
 
 __all__ = [
-    "EXPERT_MESH_DIMS", "MESH_DIMS", "ParallelDims", "data_parallel_rank", "device_type", "mirror_mesh", "tp_mesh",
+    "EXPERT_MESH_DIMS", "MESH_DIMS", "ParallelDims", "data_parallel_rank", "device_type", "mirror_mesh", "stage_group",
+    "tp_mesh",
 ]
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -85,6 +87,20 @@ class ParallelDims:
     def data_mesh(mesh: DeviceMesh, hsdp: bool) -> DeviceMesh:
         """FSDP2's mesh: a 2-D (replicate, shard) mesh is HSDP."""
         return mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+
+
+def stage_group(whole: DeviceMesh | None) -> Any:
+    """The process group of this rank's pipeline stage: every rank with its pp coordinate
+    (``None`` without pp: the world).  Collective: every rank creates every stage's group,
+    in the same order."""
+    if whole is None:
+        return None
+    rank, mine = dist.get_rank(), None
+    for row in whole.mesh.reshape(whole.mesh.shape[0], -1).tolist():
+        group = dist.new_group(row)
+        if rank in row:
+            mine = group
+    return mine
 
 
 def mirror_mesh(mesh: DeviceMesh) -> DeviceMesh:
