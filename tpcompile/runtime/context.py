@@ -46,7 +46,7 @@ from ..errors import TPError
 from ..plan.context import attention_configs
 from . import comm
 from .context_attention import block_attention, block_layout, eager_attention
-from .markers import GUARDED_FORWARDS, input_checksum
+from .markers import GUARDED_FORWARDS, differing_ranks
 
 __all__ = ["ContextParallel", "cp_attention", "gather_sequence", "install_context_parallel"]
 
@@ -160,10 +160,7 @@ class ContextParallel:
         if self.checks_left[training] <= 0:
             return
         self.checks_left[training] -= 1
-        sums = torch.stack([input_checksum(t) for t in (ids, labels) if t is not None])
-        everyone = [torch.empty_like(sums) for _ in range(self.size)]
-        dist.all_gather(everyone, sums, group=self.group)
-        if any(not torch.equal(s, everyone[0]) for s in everyone):
+        if differing_ranks([t for t in (ids, labels) if t is not None], self.group):
             raise TPError("the ranks of a context-parallel group received different batches: every rank of a CP "
                           "group must be handed the same whole sequences (the model splits them itself); load "
                           "the slice tpcompile.data_parallel_rank(model) names")

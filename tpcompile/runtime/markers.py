@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 
-__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "input_checksum", "mark_model", "mesh_degrees"]
+__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "differing_ranks", "input_checksum", "mark_model", "mesh_degrees"]
 
 # forwards whose inputs are compared across the TP (and CP) group, in training and in eval
 # mode each (the first eval forward of generate() is its prompt)
@@ -87,11 +87,7 @@ class _InputGuard:
                    if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
         if not tensors:
             return
-        sums = torch.stack([input_checksum(t) for t in tensors])
-        group = _tp_group(model)
-        everyone = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, sums, group=group)
-        differ = [r for r, s in enumerate(everyone) if s.shape != sums.shape or not torch.equal(s, everyone[0])]
+        differ = differing_ranks(tensors, _tp_group(model))
         if differ:
             raise TPError(
                 f"the ranks of a tensor-parallel group received different batches (TP-group ranks {differ} differ "
@@ -100,6 +96,15 @@ class _InputGuard:
                 "Trainer; do not remove it); with accelerate use "
                 "tpcompile.integrations.prepare(accelerator, model, ...); in your own loop give each rank the "
                 "slice tpcompile.data_parallel_rank(model) names")
+
+
+def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:
+    """The ranks of ``group`` whose integer ``tensors`` differ from its first rank's: one
+    all-gather of their checksums (every rank of the group calls)."""
+    sums = torch.stack([input_checksum(t) for t in tensors])
+    everyone = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, sums, group=group)
+    return [r for r, x in enumerate(everyone) if x.shape != sums.shape or not torch.equal(x, everyone[0])]
 
 
 def input_checksum(t: torch.Tensor) -> torch.Tensor:

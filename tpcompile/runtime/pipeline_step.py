@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import TPError
 from ..plan.stages import SCHEDULES
 from .loss import check_labels
-from .markers import input_checksum
+from .markers import differing_ranks
 from .pipeline import PipelineRun, sum_tied_gradients
 from .torch_backend import check_ids
 
@@ -115,11 +115,7 @@ def _check_batch(run: PipelineRun, model: nn.Module, batch: dict[str, Any]) -> N
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.numel()]
     if not tensors:
         return
-    sums = torch.stack([input_checksum(t) for t in tensors])
-    group = run.pp_mesh.get_group()
-    everyone = [torch.empty_like(sums) for _ in range(run.pp_mesh.size())]
-    dist.all_gather(everyone, sums, group=group)
-    differ = [r for r, x in enumerate(everyone) if x.shape != sums.shape or not torch.equal(x, everyone[0])]
+    differ = differing_ranks(tensors, run.pp_mesh.get_group())
     if differ:
         raise TPError(f"pipeline_step: the ranks of a pipeline received different batches (pp ranks {differ} "
                       "differ from the first stage's); every rank of a pipeline must pass the same batch (the "
