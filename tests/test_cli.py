@@ -150,8 +150,12 @@ def test_dump_plan_table_llama(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per block: fwd 2 all-reduce, bwd 2 all-reduce" in out
     assert "(input all-reduce shared with k_proj, v_proj)" in out
     # the last line sums one step: 32 blocks x 2 + LM head backward, embedding + rows + loss forward
-    summary = out.rstrip().splitlines()[-1]
+    lines = out.rstrip().splitlines()
+    summary, evaluation = lines[-2], lines[-1]
     assert summary.startswith("per step (bytes per token")
+    # then the eval step: the training forward's collectives, without labels no loss ones
+    assert evaluation.startswith("eval step (forward only): with labels 67 all_reduce"), evaluation
+    assert "without 65 all_reduce" in evaluation and "input guard" in evaluation
     assert "fwd 67 all_reduce" in summary and "1 all_gather" in summary and "bwd 65 all_reduce" in summary
     assert "memory per rank" in summary and "activations need --batch/--seq" in summary
     assert "tp: 8" in out and "parameters per rank:" in out
