@@ -209,8 +209,7 @@ def _gqa_expand(an: Analysis, atoms: np.ndarray, heads: int) -> np.ndarray:
     if kv == heads or kv == 1:
         return atoms
     rep = heads // kv
-    an.replicated_bases.append(atoms.reshape(-1).copy())
-    copies = np.stack([an.atoms.replicas(atoms) for _ in range(rep)], axis=2)
+    copies = np.stack(an.replicate(atoms, rep), axis=2)
     return copies.reshape((atoms.shape[0], heads) + atoms.shape[2:])
 
 

@@ -3,7 +3,13 @@
 ``softmax`` over a head's keys, ``mean(x**2)`` of an RMSNorm over ``head_dim`` (Qwen3's
 ``q_norm``), a LayerNorm over the hidden size: every feature reduced over must sit on one
 rank.  A norm over the full hidden size therefore fuses a whole region into one unit and
-keeps it replicated — exactly the case where tensor parallelism cannot apply.
+keeps it replicated.
+
+Except for a *linear statistic over every feature* of its input (``sum``, ``mean``,
+``var``, ``std`` leaving no feature behind: OLMo-2's ``q_norm`` over all heads): it is a
+sum of per-rank partial sums, so it ties nothing and is recorded as a
+:class:`~tpcompile.analysis.state.StatUse`; :mod:`tpcompile.analysis.stats` then proves
+it exact (its result only scales split features) or sends it back here to tie them.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ import numpy as np
 import torch
 
 from tpcompile.analysis.propagate import Analysis, rule
-from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial
+from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial, StatUse
+from tpcompile.analysis.stats import STAT_OPS
 
 from .pointwise import pointwise
 
@@ -64,6 +71,9 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
     if packet in (aten.norm, aten.linalg_vector_norm, aten.linalg_norm):
         dims_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     dims = _dims(dims_arg, nd)
+    if packet in STAT_OPS and node not in an.whole_stats and _over_every_feature(atoms, dims):
+        an.stat_uses.append(StatUse(node, atoms, tuple(dims)))
+        return None  # a whole value once the partial sums are all-reduced
     reduced = an.union_along(atoms, dims)
     keepdim = bool(node.kwargs.get("keepdim", False))
     for a in node.args[2:]:
@@ -76,6 +86,13 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
         f = an.feat(reduced)
         return [f, f]
     return an.feat(reduced)
+
+
+def _over_every_feature(atoms: np.ndarray, dims: list[int]) -> bool:
+    """The reduction leaves no feature behind: features vary along reduced dims only (a
+    per-head statistic keeps its heads' features and ties each head as before)."""
+    return any(atoms.shape[d] > 1 for d in dims) and all(
+        atoms.shape[d] == 1 for d in range(atoms.ndim) if d not in dims)
 
 
 @rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.special_softmax)

@@ -78,8 +78,7 @@ def view(an: Analysis, node: torch.fx.Node) -> object:
         if atoms.shape[d] == 1 and size > 1 and stride == 0 and atoms.size > 1:
             # broadcast copies of features merged into a feature dim: each copy becomes
             # a replica atom so different ranks may hold the same base feature
-            an.replicated_bases.append(atoms.reshape(-1).copy())
-            atoms = np.concatenate([an.atoms.replicas(atoms) for _ in range(size)], axis=d)
+            atoms = np.concatenate(an.replicate(atoms, size), axis=d)
     full = np.broadcast_to(atoms, in_shape).reshape(out_shape)
     return an.feat(full)
 
@@ -120,8 +119,7 @@ def repeat_interleave(an: Analysis, node: torch.fx.Node) -> object:
     dim %= atoms.ndim
     if atoms.shape[dim] == 1:
         return Feat(atoms)
-    an.replicated_bases.append(atoms.reshape(-1).copy())
-    copies = np.stack([an.atoms.replicas(atoms) for _ in range(repeats)], axis=dim + 1)
+    copies = np.stack(an.replicate(atoms, repeats), axis=dim + 1)
     shape = list(atoms.shape)
     shape[dim] *= repeats
     return an.feat(copies.reshape(shape))
@@ -138,8 +136,7 @@ def repeat(an: Analysis, node: torch.fx.Node) -> object:
     atoms = an.aligned_to(v.atoms, nd)
     for d, r in enumerate(repeats):
         if r > 1 and atoms.shape[d] > 1:
-            an.replicated_bases.append(atoms.reshape(-1).copy())
-            atoms = np.concatenate([an.atoms.replicas(atoms) for _ in range(r)], axis=d)
+            atoms = np.concatenate(an.replicate(atoms, r), axis=d)
     return an.feat(atoms)
 
 

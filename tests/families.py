@@ -7,7 +7,11 @@ different local values at tp=2), Apertus (learnable scalars inside its activatio
 BART (a bias buffer added to the logits after the LM head), CLIP (two towers, two
 required inputs), Qwen3-Next (gated delta-net layers with chunked causal masks) and
 DBRX (an MoE layer whose expert loop depends on the routing), Mamba-2 (einsums) and
-Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts).
+Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts),
+OLMo-2 / OLMo-3 (``q_norm`` / ``k_norm`` over all heads) and BitNet (sub-norms over the
+split attention output and MLP features): statistics over split features; OLMoE (the same
+norms over 2 KV heads, or one: split at tp=2, at tp=4 the 2 KV heads keep the attention
+whole as before while one KV head splits the queries only).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -20,7 +24,8 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba"}
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
+             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -95,6 +100,19 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         if attn is not None:
             cfg._attn_implementation = attn
         return hf.JambaForCausalLM, cfg
+    if name in ("olmo2", "olmo3", "bitnet"):  # RMSNorms over every head's / MLP feature
+        cls, config = {"olmo2": (hf.Olmo2ForCausalLM, hf.Olmo2Config), "olmo3": (hf.Olmo3ForCausalLM, hf.Olmo3Config),
+                       "bitnet": (hf.BitNetForCausalLM, hf.BitNetConfig)}[name]
+        extra = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]} if name == "olmo3" else {}
+        return cls, config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, **extra, **kw)
+    if name in ("olmoe", "olmoe_mqa"):  # q_norm / k_norm over all heads, fewer KV heads than tp=4
+        return hf.OlmoeForCausalLM, hf.OlmoeConfig(
+            hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2 if name == "olmoe" else 1, num_experts=4, num_experts_per_tok=2,
+            vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

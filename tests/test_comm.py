@@ -24,6 +24,7 @@ from tpcompile.runtime.comm import (
     gather_from_tp,
     reduce_from_tp,
     scatter_to_tp,
+    sum_over_tp,
 )
 from tpcompile.runtime.loss import loss_parallel_causal_lm_loss, vocab_parallel_cross_entropy
 
@@ -130,6 +131,56 @@ def _check_megatron_mlp(rank: int, world: int) -> None:
     torch.testing.assert_close(b.grad, _shard(b_full.grad, rank, world, dim=0))
 
 
+def _check_sum_over_tp(rank: int, world: int) -> None:
+    # y = sum_r x_r on every rank, and split code reads y: dL/dx_r = sum_r dL_r/dy.
+    parts = [_randn(75 + r, 3, 1) for r in range(world)]
+    x = parts[rank].clone().requires_grad_()
+    y = sum_over_tp(x, None)
+    torch.testing.assert_close(y, torch.stack(parts).sum(0))
+    upstream = [_randn(76 + r, 3, 1) for r in range(world)]
+    y.backward(upstream[rank])
+    torch.testing.assert_close(x.grad, torch.stack(upstream).sum(0))
+
+
+def _stat_norm(x: Tensor, w: Tensor) -> Tensor:
+    """An RMSNorm, and every statistic form the split rewrite reads, over the last dim."""
+    var = x.pow(2).mean(-1, keepdim=True)
+    centred = x - x.mean(dim=-1, keepdim=True)
+    spread = torch.var(x, -1, keepdim=True) + x.std(-1, correction=0, keepdim=True) + x.sum(-1, keepdim=True)
+    return w * x * torch.rsqrt(var + 1e-5) + centred * spread
+
+
+def _check_split_statistics(rank: int, world: int) -> None:
+    # Statistics over features split across the ranks (OLMo-2's q_norm over all heads):
+    # local partial sums all-reduced forward and backward give the dense norm's output
+    # and every gradient; a forward computing other statistics than planned is refused.
+    from tpcompile.errors import TPError
+    from tpcompile.plan.modules import SplitStats
+    from tpcompile.runtime.stats import SplitStatMode
+
+    n = 4 * world
+    x_full = _randn(80, 3, n).requires_grad_()
+    w_full = _randn(81, n).requires_grad_()
+    upstream = _randn(82, 3, n)
+    want = _stat_norm(x_full, w_full)
+    want.backward(upstream)
+    x = _shard(x_full.detach(), rank, world).clone().requires_grad_()
+    w = _shard(w_full.detach(), rank, world).clone().requires_grad_()
+    op = SplitStats(dim=-1, size=n, local=4, ops=("mean", "mean", "var", "std", "sum"))
+    with SplitStatMode(op, None) as mode:
+        y = _stat_norm(x, w)
+        assert torch.equal(x.amax(-1), x.amax(-1))  # not a statistic it splits: runs as written
+    mode.check()
+    torch.testing.assert_close(y, _shard(want.detach(), rank, world))
+    y.backward(_shard(upstream, rank, world))
+    torch.testing.assert_close(x.grad, _shard(x_full.grad, rank, world))
+    torch.testing.assert_close(w.grad, _shard(w_full.grad, rank, world))
+    with SplitStatMode(SplitStats(dim=-1, size=n, local=4, ops=("mean",)), None) as mode:
+        _stat_norm(x, w)
+    with pytest.raises(TPError, match="rewrote"):
+        mode.check()
+
+
 def _collectives_worker(rank: int, world: int) -> None:
     _check_copy_to_tp(rank, world)
     _check_reduce_from_tp(rank, world)
@@ -137,6 +188,8 @@ def _collectives_worker(rank: int, world: int) -> None:
     _check_scatter_to_tp(rank, world)
     _check_all_reduce_grad(rank, world)
     _check_megatron_mlp(rank, world)
+    _check_sum_over_tp(rank, world)
+    _check_split_statistics(rank, world)
 
 
 def _failing_worker(rank: int, world: int) -> None:

@@ -104,7 +104,9 @@ class _Dispatched(TorchDispatchMode):
 def _build(name: str, overrides: dict, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-    if name == "mamba":  # a re-entering row (x_proj): its output's gradient all-reduced too
+    # mamba: a re-entering row (x_proj), its output's gradient all-reduced too; olmo2:
+    # q_norm / k_norm over all heads, partial statistics all-reduced forward and backward
+    if name in ("mamba", "olmo2"):
         from families import build
 
         return build(name, meta=meta).train()
@@ -184,6 +186,7 @@ _TP_CASES = [
     ("mixtral", {}, 2, 1, False),
     ("bert", {}, 2, 1, False),
     ("mamba", {}, 2, 1, False),
+    ("olmo2", {}, 2, 1, False),
     ("llama", {}, 1, 2, False),  # FSDP2 alone (parallelize at tp=1, dp_shard=2)
 ]
 _FSDP_CASES = [(name, {}, 2, 2, False) for name in ("llama", "gpt2", "mixtral", "bert")]

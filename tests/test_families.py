@@ -3,7 +3,8 @@
 Each case compares the tensor-parallel model with the untransformed one (same seed) over
 real gloo processes: the main output, the loss, every parameter's gradient (fp32,
 1e-5), greedy ``generate`` tokens where the model generates, ``hf_state_dict``
-bit-exact, and ``save_pretrained`` read back by plain transformers.  Both attention
+bit-exact, ``save_pretrained`` read back by plain transformers, and the loss after one
+AdamW step.  Both attention
 implementations run where the family has attention.  All cases of one world size share
 one launch.
 """
@@ -26,6 +27,7 @@ from tpcompile.capture import example_inputs
 from tpcompile.errors import TPError
 
 TOL = 1e-5
+STEP_TOL = 1e-4  # relative, as the FSDP2 training comparisons
 CASES_TP2 = [
     ("phi3", "eager"), ("phi3", "sdpa"),
     ("t5", "sdpa"), ("t5", "eager"),
@@ -39,6 +41,9 @@ CASES_TP2 = [
     ("dbrx", "sdpa"), ("dbrx", "eager"),
     ("mamba2", None),
     ("jamba", "sdpa"),
+    # statistics over split features: q_norm / k_norm over all heads, BitNet's sub-norms
+    ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"),
+    ("bitnet", "sdpa"), ("bitnet", "eager"), ("olmoe", "sdpa"), ("olmoe", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
@@ -92,6 +97,13 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
         loaded = type(ref).from_pretrained(path).eval()
         with torch.no_grad():
             result["reloaded"] = (_main(loaded(**inputs)) - _main(ref(**inputs))).abs().max().item()
+    # one AdamW step from those gradients, then the loss again (relative: a first Adam
+    # step moves each entry by ±lr, so a gradient within 1e-7 of zero may flip its sign)
+    for m in (model, ref):
+        torch.optim.AdamW(m.parameters(), lr=1e-3).step()
+    with torch.no_grad():
+        want = _loss(ref(**inputs)).item()
+        result["step"] = abs(_loss(model(**inputs)).item() - want) / max(abs(want), 1e-6)
     return result
 
 
@@ -100,7 +112,9 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 
 
 # the classes that broke, at tp=4 where their sizes allow (heads, vocab and MLP divide)
-CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None)]
+CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None),
+             ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"), ("bitnet", "sdpa"),
+             ("olmoe", "sdpa"), ("olmoe_mqa", "eager")]
 
 
 @pytest.mark.slow
@@ -122,6 +136,7 @@ def _check_exact(results: list) -> None:
             assert r.get("generate", True), where
             assert r.get("state_dict", True), where
             assert r.get("reloaded", 0.0) < TOL, where
+            assert r["step"] < STEP_TOL, f"{where}: loss after one AdamW step"
     sharded = {case: r["sharded"] for case, r in results[0].items()}
     # every family splits something; none is "exact" by replicating everything
     assert all(n > 0 for n in sharded.values()), sharded

@@ -95,6 +95,8 @@ class _Atoms:
     is_rep: np.ndarray
     follower: np.ndarray  # per class label: holds features used only through replicas
     block_of: np.ndarray  # per atom: index of its base's block, -1 if none
+    # per broadcast: the classes of its base features, the base atoms and their copies
+    broadcasts: list[tuple[set[int], np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 def _deal(tp: int, n: int, pad: bool) -> np.ndarray | None:
@@ -119,7 +121,12 @@ def _facts(an: Analysis) -> _Atoms:
     block_of = np.full(table.size, -1, dtype=np.int64)
     for i, blk in enumerate(table.blocks):
         block_of[blk.start : blk.start + blk.size] = i
-    return _Atoms(label, base, is_rep, follower, block_of[base])
+    broadcasts = []
+    for bases, copies in zip(an.replicated_bases, an.replica_copies, strict=True):
+        keep = bases >= 0
+        if keep.any():
+            broadcasts.append((set(np.unique(label[bases[keep]]).tolist()), bases[keep], copies[:, keep]))
+    return _Atoms(label, base, is_rep, follower, block_of[base], broadcasts)
 
 
 def _regions(an: Analysis, f: _Atoms) -> list[_Region]:
@@ -172,10 +179,11 @@ def _holdings(region: _Region, ranks: np.ndarray, f: _Atoms, tp: int) -> np.ndar
 
 
 def _layouts_for(
-    an: Analysis, region: _Region, ranks: np.ndarray, f: _Atoms, tp: int,
+    an: Analysis, region: _Region, on: np.ndarray, f: _Atoms, tp: int,
 ) -> dict[tuple[str, int], BlockLayout] | str:
+    """Each block's layout given the holdings ``on`` (:func:`_holdings`), or why the
+    region cannot be placed so."""
     table = an.atoms
-    on = _holdings(region, ranks, f, tp)
     out: dict[tuple[str, int], BlockLayout] = {}
     for b in region.blocks:
         blk = table.blocks[b]
@@ -190,7 +198,33 @@ def _layouts_for(
         if len(sizes) != 1 or 0 in sizes:
             return f"{blk.key[0]} dim {blk.key[1]} would get {sorted(len(p) for p in per_rank)} features per rank"
         out[blk.key] = BlockLayout(blk.key[0], blk.key[1], blk.size, np.stack(per_rank).astype(np.int64))
-    return out
+    return _uneven_copies(region, on, f) or out
+
+
+def _uneven_copies(region: _Region, on: np.ndarray, f: _Atoms) -> str | None:
+    """Why a broadcast in the region cannot run on the local features, or ``None``.
+
+    A rank computes every base feature it holds (a follower lands whole on each rank that
+    uses a copy of it) and its code broadcasts each of them by one local count
+    (``repeat_kv`` by a localized ``num_key_value_groups``): on every rank, each base
+    feature held must have the same number of copies held, and that number must be the
+    same on every rank.  A norm tying all KV heads into one unit while each rank's query
+    heads use only one of them breaks that (OLMoE's ``k_norm`` with 2 KV heads at tp=4:
+    every rank would expand both heads), as do query heads straddling KV groups (20
+    heads over 5 KV heads at tp=4: 4 copies of one head and 1 of the next)."""
+    followers = set(region.followers.tolist())
+    for classes, base, copies in f.broadcasts:
+        if not classes & followers:
+            continue
+        held = on[:, f.label[base]]  # (tp, base position): the rank computes it
+        counts = on[:, f.label[copies]].sum(axis=1)  # (tp, base position): copies it holds
+        per_rank = set()
+        for r in np.nonzero(held.any(axis=1))[0]:
+            per_rank |= set(np.unique(counts[r][held[r]]).tolist())
+        if len(per_rank) > 1 or 0 in per_rank:
+            return (f"its units would use {sorted(per_rank)} copies of the {base.size} broadcast features a "
+                    "rank holds (KV heads shared by query heads), where its code makes one number of copies of each")
+    return None
 
 
 def valid_tp_sizes(n_units: int, upto: int = 128) -> list[int]:
@@ -210,17 +244,19 @@ def partition(an: Analysis, tp: int) -> Partition:
             result.failures.append(RegionFailure(keys, 1, "one indivisible unit", [1], single_unit=True))
             continue
         ranks = _deal(tp, n, pad=region.vocab and n >= tp)
-        layouts = _layouts_for(an, region, ranks, f, tp) if ranks is not None else None
+        held = _holdings(region, ranks, f, tp) if ranks is not None else None
+        layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
-            valid = [t for t in valid_tp_sizes(n) if isinstance(_layouts_for(an, region, _deal(t, n, False), f, t), dict)]
+            valid = [t for t in valid_tp_sizes(n) if isinstance(
+                _layouts_for(an, region, _holdings(region, _deal(t, n, False), f, t), f, t), dict)]
             result.failures.append(RegionFailure(keys, n, reason, valid, uneven_units=region.uneven))
             continue
         result.layouts.update(layouts)
         class_rank = np.full(table.size, -1, dtype=np.int64)
         class_rank[region.classes] = ranks
         # followers: their one rank, or -2 when several ranks hold a copy (replicated KV)
-        on = _holdings(region, ranks, f, tp)[:, region.followers]
+        on = held[:, region.followers]
         count = on.sum(axis=0)
         class_rank[region.followers] = np.where(count == 1, on.argmax(axis=0), np.where(count > 1, -2, -1))
         hit = class_rank[f.label] != -1

@@ -33,6 +33,7 @@ from .state import (
     Poison,
     ReducePoint,
     RowUse,
+    StatUse,
 )
 from .tokens import TokenRule
 
@@ -147,8 +148,7 @@ def place_atoms_at(old: np.ndarray | None, src: np.ndarray | None, shape: Sequen
     if an is not None and (src >= 0).any():
         for d in range(nd):
             if d not in keep and src.shape[d] == 1 and old.shape[d] > 1 and len(index[d]) > 1:
-                an.replicated_bases.append(src.reshape(-1).copy())
-                src = np.concatenate([an.atoms.replicas(src) for _ in range(len(index[d]))], axis=d)
+                src = np.concatenate(an.replicate(src, len(index[d])), axis=d)
     full = np.array(np.broadcast_to(old, tuple(shape)))
     full[np.ix_(*index)] = np.broadcast_to(src, [len(i) for i in index])
     return full
@@ -215,11 +215,15 @@ class Analysis:
         param_of_placeholder: dict[str, str],
         buffer_of_placeholder: dict[str, str],
         forced_replicated: set | None = None,
+        whole_stats: set[fx.Node] | None = None,
     ) -> None:
         self.graph = graph
         self.rules = rules
         self.atoms = AtomTable()
         self.forced_replicated = forced_replicated or set()
+        # statistics an earlier pass could not split: they tie their features again
+        self.whole_stats = whole_stats or set()
+        self.stat_uses: list[StatUse] = []
         self.value: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
         # values that carry no gradient whatever their inputs (a fresh fill, ``zeros_like``)
@@ -234,6 +238,9 @@ class Analysis:
         self.reduce_points: list[ReducePoint] = []
         self.outputs: list[np.ndarray] = []
         self.replicated_bases: list[np.ndarray] = []
+        # per broadcast, its copies (copy x base position): each rank's local code makes
+        # one count of copies of every base feature it holds (:func:`~.partition.partition`)
+        self.replica_copies: list[np.ndarray] = []
         # values that are the same along some dims (a factory's fill, broadcast over): per
         # node, one flag per dim.  A sharded activation may meet such a value along a
         # uniform dim: once its size is rank-local, every rank's slice is the same.
@@ -427,6 +434,15 @@ class Analysis:
                 first = np.take(out, [0], axis=d)
                 self.union(out, first)
                 out = first
+        return out
+
+    def replicate(self, atoms: np.ndarray, copies: int) -> list[np.ndarray]:
+        """``copies`` broadcast copies of ``atoms`` (``repeat_kv``'s KV head per query
+        head), each as fresh replica atoms of ``atoms``' shape, so different ranks may hold
+        copies of one base feature; the broadcast is recorded for the partition."""
+        self.replicated_bases.append(atoms.reshape(-1).copy())
+        out = [self.atoms.replicas(atoms) for _ in range(copies)]
+        self.replica_copies.append(np.stack([c.reshape(-1) for c in out]))
         return out
 
     def edges(self) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,12 @@
 (one indivisible unit, a poisoned op, a replicated activation that would need slicing,
 a partial sum reduced inside its own module) is forced replicated and the graph is
 propagated again, until nothing changes.  Then every parameter gets its role.
+
+A statistic over split features (:mod:`.stats`) is first left untied; if it turns out
+not to split, or a region its features belong to cannot split (a partition failure, a
+poisoned op, a partial sum or gradient nothing sums), the fixed point starts over with it
+tied, from the overrides alone: what was forced while it was untied assumed a partition
+it no longer has, and tying it gives that region what it had without split statistics.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
 from .reentry import Reentry, find_reentry
 from .state import Feat, ParamRef
+from .stats import STAT_OPS, SplitStat, find_split_stats
 
 __all__ = ["Analyzed", "analyze"]
 
@@ -46,6 +53,12 @@ class Analyzed:
     notes: list[str] = field(default_factory=list)
     passes: int = 0
     reentry: Reentry = field(default_factory=Reentry)  # row exits that also sum gradients
+    # statistics over split features, by the module computing them (:mod:`.stats`), and
+    # the whole values computed from them (their gradients the all-reduces sum)
+    stats: dict[str, SplitStat] = field(default_factory=dict)
+    stat_values: set = field(default_factory=set)
+    stat_units: dict = field(default_factory=dict)  # statistic node -> unit labels it reduces
+    retie: set = field(default_factory=set)  # statistics to tie again (see _opened_by)
 
 
 def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
@@ -62,6 +75,33 @@ def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
         if hit_classes.intersection(np.unique(label[ids]).tolist()):
             keys.add(blk.key)
     return keys
+
+
+def _split_by_stat(a: Analyzed, atoms: np.ndarray) -> bool:
+    """Are some of ``atoms`` split only because a statistic over them did not tie them?
+    Then that statistic is tied again (``a.retie``) instead of forcing a region: a split
+    statistic must never make the plan replicate more than tying would (Falcon-H1's
+    final norm over a residual stream its replicated mixer writes features into)."""
+    units = set(np.unique(a.part.label[atoms[atoms >= 0]]).tolist())
+    hit = {n for n, labels in a.stat_units.items() if units & labels}
+    a.retie |= hit
+    return bool(hit)
+
+
+def _stat_blocks(an: Analysis, part: Partition) -> dict[fx.Node, set]:
+    """The blocks of the regions each untied statistic reads features of."""
+    return {u.node: _region_blocks(part, an, u.atoms.reshape(-1)) for u in an.stat_uses}
+
+
+def _opened_by(stat_blocks: dict[fx.Node, set], blocks: set) -> set[fx.Node]:
+    """The untied statistics over features of the regions ``blocks`` stand for.  A region
+    that cannot split (a failure, a poisoned op, a partial sum or gradient nothing sums)
+    may only be one because such a statistic left its features untied (OLMoE at tp=4 with
+    2 KV heads: ``q_norm`` split, ``k_norm`` tied, the query heads each needing one of the
+    KV heads every rank would then hold); tying them again gives what the plan was
+    without statistics over split features, never an error or a larger replicated
+    region in its place."""
+    return {n for n, keys in stat_blocks.items() if keys & blocks}
 
 
 def _aligned_checks(a: Analyzed) -> set:
@@ -84,11 +124,15 @@ def _aligned_checks(a: Analyzed) -> set:
             for d in sliced:
                 pd = ref.dims[d - offset] if d - offset >= 0 else None
                 lay = _slice_layout(ref.fqn, pd, ranks, d, part.tp)
+                if lay is None and _split_by_stat(a, ev.atoms):
+                    continue
                 if lay is None:
                     force |= _region_blocks(part, an, ev.atoms.reshape(-1))
                     continue
                 prev = a.layouts.get(ref.fqn)
                 if prev is not None and (prev.dim != lay.dim or not np.array_equal(prev.index, lay.index)):
+                    if _split_by_stat(a, ev.atoms):
+                        continue
                     force |= _region_blocks(part, an, ev.atoms.reshape(-1))
                     continue
                 a.layouts[ref.fqn] = lay
@@ -96,6 +140,8 @@ def _aligned_checks(a: Analyzed) -> set:
                 a.grad_allreduce.add(ref.fqn)
             continue
         node: fx.Node = ev.operand
+        if not sliced and node in a.stat_values:
+            continue  # a statistic's all-reduce sums its gradient (backward)
         if sliced and not ev.tainted and _uniform_along(an, node, sliced, nd):
             continue  # a fresh fill: rank-local once its size is (a fix-up; the dry run checks)
         if not sliced and shared and ev.tainted:
@@ -104,6 +150,8 @@ def _aligned_checks(a: Analyzed) -> set:
                 a.reentry.update(found)
                 a.grad_allreduce |= found.params
                 continue
+        if (sliced or (shared and ev.tainted)) and _split_by_stat(a, ev.atoms):
+            continue
         if sliced or (shared and ev.tainted):
             what = "would need slicing" if sliced else "has a gradient the local features each add to"
             region = _region_blocks(part, an, ev.atoms.reshape(-1))
@@ -122,11 +170,17 @@ def _aligned_checks(a: Analyzed) -> set:
     return force
 
 
-def _gradient_checks(a: Analyzed, strict: bool) -> set:
+def _gradient_checks(a: Analyzed, strict: bool, stat_blocks: dict[fx.Node, set]) -> set:
     """The backward check (:mod:`.gradients`): a partial gradient nothing sums is an
-    error (strict) or keeps its region replicated."""
+    error (strict) or keeps its region replicated; in a region an untied statistic opened,
+    that statistic is tied again instead (``a.retie``)."""
     force: set = set()
-    for u in unsummed_gradients(a.an, a.part, a.layouts, a.grad_allreduce, a.reentry):
+    found = unsummed_gradients(a.an, a.part, a.layouts, a.grad_allreduce, a.reentry)
+    for u in found:
+        a.retie |= _opened_by(stat_blocks, _region_blocks(a.part, a.an, u.atoms.reshape(-1)) - a.forced)
+    if a.retie:
+        return force
+    for u in found:
         if strict:
             raise TPError(
                 f"tpcompile cannot split this model exactly: {u}. Force the region replicated "
@@ -229,18 +283,47 @@ def analyze(
     buffer_of_placeholder: dict[str, str],
     strict: bool = True,
     overrides: dict[str, str] | None = None,
-    max_passes: int = 8,
+    max_passes: int = 12,
+    split_stats: bool = True,
 ) -> Analyzed:
-    """Propagate and partition until stable; see module docstring."""
+    """Propagate and partition until stable; see module docstring.  ``split_stats=False``
+    ties every statistic's features, as any other reduction's (no :mod:`.stats`)."""
     all_params = set(param_of_placeholder.values())
-    forced = {f for f in all_params for k, v in (overrides or {}).items() if v == "replicated" and key_matches(k, f)}
+    overridden = {f for f in all_params for k, v in (overrides or {}).items() if v == "replicated" and key_matches(k, f)}
+    # statistics that tie their features (not split)
+    whole_stats: set[fx.Node] = set() if split_stats else {
+        n for n in graph.nodes if getattr(n.target, "overloadpacket", None) in STAT_OPS}
+    total = 0
+    while True:
+        # every decision of an attempt assumed its untied statistics split; once one of
+        # them ties again, those decisions may no longer hold (a region forced, an
+        # embedding kept whole for a layout the tie removes), so the next attempt starts
+        # from the overrides alone.  ``whole_stats`` only grows: at most one attempt per
+        # statistic, and the last one is what tying those statistics from the start gives
+        a, more, passes = _attempt(graph, rules, tp, param_of_placeholder, buffer_of_placeholder,
+                                   strict, set(overridden), whole_stats, max_passes)
+        total += passes
+        if a is not None:
+            a.passes = total
+            return a
+        whole_stats |= more
+
+
+def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dict[str, str],
+             buffer_of_placeholder: dict[str, str], strict: bool, forced: set,
+             whole_stats: set[fx.Node], max_passes: int) -> tuple[Analyzed | None, set[fx.Node], int]:
+    """Passes to a fixed point with ``whole_stats`` tied: the converged analysis, or
+    ``None`` and the statistics found not to split (to tie in a fresh attempt); and the
+    passes it took."""
     notes: list[str] = []
     for n_pass in range(1, max_passes + 1):
         an = Analysis(
             graph, rules, param_of_placeholder=param_of_placeholder,
             buffer_of_placeholder=buffer_of_placeholder, forced_replicated=set(forced),
+            whole_stats=set(whole_stats),
         ).run()
         part = partition(an, tp)
+        stat_blocks = _stat_blocks(an, part)
         outputs = np.concatenate([o.reshape(-1) for o in an.outputs]) if an.outputs else np.zeros(0, np.int64)
         # structural forcing first: one-unit regions (an MoE router, a norm over the whole
         # hidden size) and small lookup tables (positions, token types) stay replicated
@@ -248,6 +331,13 @@ def analyze(
         if new - forced:  # replicate those first: what they poison downstream may vanish
             forced |= new
             continue
+        # a region that cannot split because an untied statistic opened it: tie that
+        # statistic again (a fresh attempt) before anything is forced or refused
+        refused = [_region_blocks(part, an, p.atoms) for p in an.poison]
+        refused += [set(f.blocks) for f in part.failures if not f.single_unit]
+        retie = set().union(*(_opened_by(stat_blocks, blocks - forced) for blocks in refused))
+        if retie:
+            return None, retie, n_pass
         for p in an.poison:
             touched = _region_blocks(part, an, p.atoms)
             if touched and touched <= new | forced:
@@ -282,12 +372,25 @@ def analyze(
         for key, lay in part.layouts.items():
             if key[0] not in forced and key not in forced:
                 a.layouts[key[0]] = lay
-        new = (_aligned_checks(a) | _reduce_checks(an, part)) - forced
-        if not new:
-            new = _gradient_checks(a, strict) - forced
+        # statistics over split features: exact from partial sums, or tied in a fresh attempt
+        a.stats, summed, whole = find_split_stats(an, part, a.layouts)
+        if whole:
+            return None, whole, n_pass
+        a.stat_values = summed.nodes
+        a.stat_units = {u.node: set(np.unique(part.label[u.atoms[u.atoms >= 0]]).tolist())
+                        for u in an.stat_uses if u.node in summed.nodes}
+        a.reentry.update(summed)
+        a.grad_allreduce |= summed.params
+        reduced = _reduce_checks(an, part) - forced
+        a.retie |= _opened_by(stat_blocks, reduced)
+        new = (_aligned_checks(a) | reduced) - forced
+        if not new and not a.retie:
+            new = _gradient_checks(a, strict, stat_blocks) - forced
+        if a.retie:
+            return None, a.retie, n_pass
         if not new:
             _assign(a, outputs)
-            return a
+            return a, set(), n_pass
         forced |= new
     raise TPError(f"analysis did not converge in {max_passes} passes (forced: {sorted(forced)})")
 

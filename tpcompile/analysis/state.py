@@ -8,6 +8,11 @@
   parameter dim behind tensor dim ``i``).
 * :class:`Partial` — the output of a row-parallel contraction: a per-rank partial sum that
   must be all-reduced before any non-linear use.
+
+A linear statistic over every feature of a value (an RMSNorm's ``mean(x**2)`` over all
+heads) is recorded as a :class:`StatUse` instead of tying those features together; its
+result carries no features (``None``) and :mod:`tpcompile.analysis.stats` decides whether
+it can be computed from per-rank partial sums.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = [
     "Poison",
     "ReducePoint",
     "RowUse",
+    "StatUse",
 ]
 
 
@@ -109,3 +115,13 @@ class Poison:
 class ReducePoint:
     node: fx.Node
     rows: tuple[int, ...]
+
+
+@dataclass
+class StatUse:
+    """A linear reduction (``sum`` / ``mean`` / ``var`` / ``std``) over every feature of its
+    input: ``atoms`` is the input's atoms at its full rank, ``dims`` the dims reduced."""
+
+    node: fx.Node
+    atoms: np.ndarray
+    dims: tuple[int, ...]

@@ -44,6 +44,7 @@ from .modules import (
     ModuleOp,
     ModulePlan,
     ReduceOutput,
+    SplitStats,
     VocabEmbedding,
 )
 from .types import ParamPlan, Plan, Role, index_to_runs
@@ -96,10 +97,12 @@ def plan_model(
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
     forced = dict(overrides or {})
+    split_stats = True
 
     def run(cap: Capture) -> Analyzed:
         return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
-                       buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced)
+                       buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced,
+                       split_stats=split_stats)
 
     for attempt in range(_SELF_CHECK_RETRIES + 1):
         a = run(cap)
@@ -112,6 +115,12 @@ def plan_model(
             fixups = _local_fixups(model, cap, a, tp, example_inputs, gathered=not loss_parallel) if tp > 1 else {}
             break
         except SelfCheckError as err:
+            if a.stats and attempt < _SELF_CHECK_RETRIES:
+                # the localized model does not match a plan that splits statistics over
+                # split features: plan as without them (each ties its features, as any
+                # other reduction), so they never fail where that plan would not
+                split_stats = False
+                continue
             # non-strict: the module the localized model failed in stays replicated
             if strict or not err.module or attempt == _SELF_CHECK_RETRIES:
                 raise
@@ -260,6 +269,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
             biases = (*biases, pname)
         rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter)
+    for m, stat in a.stats.items():
+        rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
     for fqn, users in a.embedding.items():
         for m in users:
             rep_ops[m][VocabEmbedding] = VocabEmbedding(vocab_size=int(a.layouts[fqn].size))

@@ -8,6 +8,8 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
     ReduceOutput(reenter=True)         ... and of its gradient (only split code reads it)
     GatherOutput(vocab_size=V)         all-gather of the vocab-sharded logits (unpadded to V)
     GradSum(params=["weight"])         all-reduce of a replicated parameter's gradient
+    SplitStats(dim=-1, size=N, ...)    mean / sum / var over split features: local partial
+                                       sums all-reduced (and their gradients, backward)
 
 ``dump-plan`` prints these objects, the cost model prices :meth:`ModulePlan.collectives`
 and the runtime installs one handler per op type
@@ -28,6 +30,10 @@ hook                phase     op          tensor each rank passes in
 ``GRAD_SUM``        backward  all_reduce  the replicated parameter's gradient
 ``REPLICA_SUM``     backward  all_reduce  the KV-replica parameter's gradient over its
                                           global rows
+``STAT_REDUCE``     forward   all_reduce  each partial statistic (``index``: which one of
+                                          the module's, in execution order)
+``STAT_GRAD``       backward  all_reduce  the gradient of that statistic (split code reads
+                                          it: each rank's is partial)
 ==================  ========  ==========  ================================================
 """
 
@@ -42,8 +48,11 @@ from ..errors import TPError
 
 __all__ = [
     "Collective", "EnterRegion", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
-    "VocabEmbedding",
+    "SplitStats", "VocabEmbedding",
 ]
+
+# all-reduces one split statistic issues (var / std: the mean, then the squared deviations)
+STAT_ALL_REDUCES: dict[str, int] = {"sum": 1, "mean": 1, "var": 2, "std": 2}
 
 
 class Hook(str, enum.Enum):
@@ -56,6 +65,8 @@ class Hook(str, enum.Enum):
     EXIT_GRAD = "exit_grad"  # copy_to_tp after the reduce: the output re-enters split code
     GRAD_SUM = "grad_sum"  # all_reduce_grad of a replicated parameter on sharded features
     REPLICA_SUM = "replica_sum"  # the gradient sum over the copies of a KV-replicated parameter
+    STAT_REDUCE = "stat_reduce"  # sum_over_tp of a partial statistic (forward)
+    STAT_GRAD = "stat_grad"  # ... and of its gradient (backward)
 
 
 _PHASE_OP = {
@@ -66,6 +77,8 @@ _PHASE_OP = {
     Hook.EXIT_GRAD: ("backward", "all_reduce"),
     Hook.GRAD_SUM: ("backward", "all_reduce"),
     Hook.REPLICA_SUM: ("backward", "all_reduce"),
+    Hook.STAT_REDUCE: ("forward", "all_reduce"),
+    Hook.STAT_GRAD: ("backward", "all_reduce"),
 }
 
 
@@ -74,11 +87,13 @@ class Collective:
     """One collective a module's hooks issue per call of the module (``tp > 1``).
 
     ``op`` is the ``torch.distributed`` function called over the TP group; ``param`` the
-    module-local parameter name for the gradient sums.
+    module-local parameter name for the gradient sums; ``index`` which of the module's
+    split statistics (in execution order) a ``STAT_*`` collective sums.
     """
 
     hook: Hook
     param: str | None = None
+    index: int | None = None
 
     @property
     def phase(self) -> str:
@@ -171,8 +186,43 @@ class GatherOutput(ModuleOp):
         return [Collective(hook=Hook.EXIT_GATHER)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class SplitStats(ModuleOp):
+    """Statistics over features split across the TP group (OLMo-2's ``q_norm``: an
+    RMSNorm over all heads), computed in this module's forward from partial sums::
+
+        mean(x, dim) = Σ_r sum(x_r, dim) / size        (all-reduce forward and backward)
+
+    Every ``ops`` entry (``sum`` / ``mean`` / ``var`` / ``std``, in execution order) reduces
+    over ``dim`` (counted from the end), where this rank holds ``local`` of ``size``
+    features; ``mean`` and ``var`` divide by the global count.  The result is whole on
+    every rank and only split code reads it, so each rank's gradient of it is partial:
+    the backward all-reduces it too (:mod:`tpcompile.analysis.stats`)."""
+
+    kind: ClassVar[str] = "split_stats"
+    order: ClassVar[int] = 1
+    dim: int = -1
+    size: int = 0
+    local: int = 0
+    ops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.ops if o not in STAT_ALL_REDUCES]
+        if unknown or self.dim >= 0 or not 0 < self.local <= self.size:
+            raise TPError(f"split statistics need a negative dim, 0 < local <= size and ops among "
+                          f"{sorted(STAT_ALL_REDUCES)}; got dim={self.dim}, local={self.local}, "
+                          f"size={self.size}, ops={list(self.ops)}")
+
+    def collectives(self) -> list[Collective]:
+        out = []
+        for i, name in enumerate(self.ops):
+            for _ in range(STAT_ALL_REDUCES[name]):
+                out += [Collective(hook=Hook.STAT_REDUCE, index=i), Collective(hook=Hook.STAT_GRAD, index=i)]
+        return out
+
+
 OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,
-                                                            GatherOutput)}
+                                                            GatherOutput, SplitStats)}
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ function            forward                         backward
 ``scatter_to_tp``   ``y = chunk(x, n, dim)[r]``     ``dx = cat(dy_0..dy_{n-1}, dim)``
 ``enter_tp``        ``y = cat(x_0..x_{n-1}, dim)``  ``dx = chunk(sum_r dy_r, n)[r]``
 ``leave_tp``        ``y = chunk(sum_r x_r, n)[r]``  ``dx = cat(dy_0..dy_{n-1}, dim)``
+``sum_over_tp``     ``y = sum_r x_r`` (all-reduce)  ``dx = sum_r dy_r`` (all-reduce)
 ==================  ==============================  ==================================
 
 ``enter_tp`` / ``leave_tp`` are the sequence-parallel forms of "f" and "g" (Megatron's
@@ -22,7 +23,10 @@ all-gather / reduce-scatter pair): a token-split activation enters a column-para
 region whole, and a row-parallel partial sum leaves it already split by tokens.
 
 ``copy_to_tp`` is Megatron's "f" (entry of a column-parallel region) and
-``reduce_from_tp`` its "g" (exit of a row-parallel region).  ``all_reduce_grad`` is
+``reduce_from_tp`` its "g" (exit of a row-parallel region).  ``sum_over_tp`` is "g" then
+"f": a partial statistic over split features (each rank's local ``sum(x_r**2)``) is
+summed, and the whole result is read by split code only, so each rank's gradient of it
+is partial and summed too.  ``all_reduce_grad`` is
 an alias of ``copy_to_tp`` for replicated parameters applied to sharded activations:
 each rank sees only part of the parameter's gradient, and the true gradient is the
 sum over the group.
@@ -51,6 +55,7 @@ __all__ = [
     "leave_tp",
     "reduce_from_tp",
     "scatter_to_tp",
+    "sum_over_tp",
 ]
 
 
@@ -162,6 +167,19 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    """Forward ``y = sum_r x_r``; backward ``dx = sum_r dy_r``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce_sum(grad, ctx.group), None
+
+
 def _dim_pair(forward: Callable[[Tensor, ProcessGroup | None, int], Tensor],
               backward: Callable[[Tensor, ProcessGroup | None, int], Tensor],
               name: str, doc: str) -> type[torch.autograd.Function]:
@@ -261,6 +279,20 @@ def leave_tp(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
     dim = _normalize_dim(dim, x.dim())
     _check_divisible(x, group_size(group), dim)
     return _LeaveTP.apply(x, group, dim)
+
+
+def sum_over_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """All-reduce(sum) forward *and* backward: ``y = sum_r x_r``, ``dx = sum_r dy_r``.
+
+    Use for a partial statistic over split features (a norm's sum of squares over all
+    heads): every rank gets the whole statistic, and, since only split code reads it,
+    each rank's ``dL/dy`` covers only its own features — the true gradient of every
+    rank's partial sum is ``sum_r dL_r/dy``.  Using ``reduce_from_tp`` here would train
+    each rank's features with only its own share of that gradient.
+    """
+    if group_size(group) == 1:
+        return x
+    return _SumOverTP.apply(x, group)
 
 
 all_reduce_grad = copy_to_tp

@@ -17,7 +17,10 @@ from outside with hooks:
 * the LM head all-gathers its vocab-sharded logits (or keeps them sharded for the
   loss-parallel cross-entropy);
 * a replicated parameter applied to sharded features (Qwen3's ``q_norm``) is used through
-  ``all_reduce_grad`` so its gradient sums every rank's heads.
+  ``all_reduce_grad`` so its gradient sums every rank's heads;
+* a statistic over split features (OLMo-2's ``q_norm`` over all heads) is computed, while
+  its module runs, from local partial sums all-reduced forward and backward
+  (:mod:`tpcompile.runtime.stats`).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from ..plan.modules import (
     GradSum,
     ModulePlan,
     ReduceOutput,
+    SplitStats,
     VocabEmbedding,
 )
 from ..plan.types import ParamPlan, select_rows
 from . import comm
+from .stats import SplitStatMode
 
 __all__ = ["HANDLERS", "OpHooks", "TorchBackend", "handler_for"]
 
@@ -190,6 +195,8 @@ class TorchBackend:
         def restore(mod: nn.Module, args: tuple, out: Any) -> None:
             # always_call: also when the forward (or ``post``) raised, so an exception
             # never leaves local tensors or zeroed row biases in place of the parameters
+            for h in handlers:
+                h.cleanup(state)
             for name, p in state.pop("saved", {}).items():
                 mod._parameters[name] = p
             mod.__dict__.update(state.pop("shadowed", {}))
@@ -220,6 +227,10 @@ class OpHooks:
 
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
         return out
+
+    def cleanup(self, state: dict[str, Any]) -> None:
+        """After the forward, also when it raised: undo what ``pre`` left active."""
+        return None
 
 
 class _GradSumHooks(OpHooks):
@@ -300,6 +311,28 @@ class _ReduceHooks(OpHooks):
         return out
 
 
+class _SplitStatHooks(OpHooks):
+    """The module's forward runs under a mode that computes its statistics over the
+    split features from partial sums (entered in ``pre``, left in ``post``)."""
+
+    def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
+        mode = SplitStatMode(self.op, self.group, self.fqn)
+        mode.__enter__()
+        state["stat_mode"] = mode
+        return args, kwargs
+
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        mode = state.pop("stat_mode")
+        mode.__exit__(None, None, None)
+        mode.check()
+        return out
+
+    def cleanup(self, state: dict[str, Any]) -> None:
+        mode = state.pop("stat_mode", None)
+        if mode is not None:  # the forward raised: leave the mode all the same
+            mode.__exit__(None, None, None)
+
+
 class _GatherHooks(OpHooks):
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
         vocab = self.op.vocab_size
@@ -315,7 +348,7 @@ class _GatherHooks(OpHooks):
 # op type -> its handler; a new collective kind is one ModuleOp subclass plus one entry
 HANDLERS: dict[type, type[OpHooks]] = {
     GradSum: _GradSumHooks, EnterRegion: _EnterHooks, VocabEmbedding: _VocabHooks,
-    ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks,
+    ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks, SplitStats: _SplitStatHooks,
 }
 
 

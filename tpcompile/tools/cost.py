@@ -19,6 +19,10 @@ issues it.
   then the root) one all-gather of its parameter shards forward, one again backward (the
   unit was resharded after forward) and one reduce-scatter of its gradients, with
   FSDP2's dim-0 padding.
+* **Split statistics** (``SplitStats``: OLMo-2's ``q_norm`` over all heads): one
+  all-reduce per partial statistic forward (two for ``var`` / ``std``) and the same
+  backward where the statistic requires grad, each the size of the statistic's graph
+  node (a float32 per token for an RMSNorm over the last dim).
 
 Activation collectives scale with the number of tokens ``B × S``; parameter-sized ones
 (gradient sums, FSDP2) do not. Memory per rank: parameters, gradients and AdamW states
@@ -43,20 +47,29 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..analysis.propagate import innermost_module
+from ..analysis.stats import STAT_OPS
 from ..capture import Capture, capture
 from ..config import check_degree
 from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
-from ..runtime.markers import CHECKSUM_BYTES, GUARDED_FORWARDS
-from .cost_params import Issue, fp8_gathered, fp8_issues, fsdp_issues, local_shape, memory
+from .cost_params import (
+    COLLECTIVES,
+    Issue,
+    eval_step,
+    fp8_gathered,
+    fp8_issues,
+    fsdp_issues,
+    input_guard,
+    local_shape,
+    memory,
+    totals,
+)
 
 __all__ = ["COLLECTIVES", "Issue", "estimate_activations", "estimate_cost", "trace_collectives"]
 
-# every collective name the cost section may report (torch.distributed functions)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "broadcast")
 
 aten = torch.ops.aten
 # ops whose floating output carries no gradient although a floating input does
@@ -109,6 +122,7 @@ class _Call:
     fqn: str
     inputs: list[fx.Node]  # first-use order
     outputs: list[fx.Node]
+    stats: list[fx.Node]  # statistic ops run in the module's own code (split ones: SplitStats)
 
 
 def _module_calls(cap: Capture) -> list[_Call]:
@@ -129,7 +143,9 @@ def _module_calls(cap: Capture) -> list[_Call]:
                 if a not in inside and a.op != "get_attr" and a.name not in weights:
                     inputs.setdefault(a, None)
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        calls.append(_Call(paths[key], list(inputs), outputs))
+        stats = [n for n in nodes if getattr(n.target, "overloadpacket", None) in STAT_OPS
+                 and innermost_module(n) == paths[key]]
+        calls.append(_Call(paths[key], list(inputs), outputs, stats))
     return calls
 
 
@@ -227,6 +243,12 @@ def trace_collectives(model: nn.Module, plan: Plan, cap: Capture | None = None) 
                         size = _gathered_per_token(node, plan, call.fqn, tokens) \
                             if c.hook is Hook.EXIT_GATHER else Fraction(_nbytes(node), tokens)
                         issues.append(Issue(**base, count=blocks, what=f"output {node.name}", bytes_per_token=size))
+            elif c.hook in (Hook.STAT_REDUCE, Hook.STAT_GRAD):  # a partial statistic (its gradient)
+                node = call.stats[c.index]
+                if c.hook is Hook.STAT_REDUCE or node in grad:
+                    what = f"partial statistic {node.name}" + (" (grad)" if c.hook is Hook.STAT_GRAD else "")
+                    issues.append(Issue(**base, count=blocks, what=what,
+                                        bytes_per_token=Fraction(_nbytes(node), tokens)))
             else:  # GRAD_SUM / REPLICA_SUM: the parameter's gradient
                 pp = plan.params[f"{call.fqn}.{c.param}"]
                 shape = pp.global_shape if c.hook is Hook.REPLICA_SUM else pp.local_shape
@@ -430,41 +452,6 @@ def _to_float8(model: nn.Module, plan: Plan, shadow: nn.Module) -> None:
 # ------------------------------------------------------------------ the report
 
 
-def _totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for phase in ("forward", "backward"):
-        table: dict[str, dict[str, Any]] = {}
-        for op in COLLECTIVES:
-            mine = [i for i in issues if i.phase == phase and i.op == op]
-            count = sum(i.count for i in mine)
-            if tokens is None:
-                per_token = sum((i.count * i.bytes_per_token for i in mine), Fraction(0))
-                table[op] = {"count": count, "bytes_per_token": float(per_token),
-                             "fixed_bytes": sum(i.count * i.fixed_bytes for i in mine)}
-            else:
-                table[op] = {"count": count, "bytes": int(sum((i.bytes(tokens) for i in mine), Fraction(0)))}
-        out[phase] = table
-    return out
-
-
-def _eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
-    """An evaluation loop's forward under ``no_grad``: the training forward's collectives
-    (FSDP2 gathers every unit in it as in training, FP8 takes its amaxes), with labels
-    and without them (no loss, none of its collectives)."""
-    return {"labels": _totals(issues, tokens)["forward"],
-            "no_labels": _totals([i for i in issues if i.source != "loss"], tokens)["forward"]}
-
-
-def _input_guard(tp: int, cp: int) -> dict[str, Any]:
-    """What the input guard adds: in the first forwards in training and again in eval
-    mode (an evaluation loop, ``generate()``'s prompt), every TP and CP group all-gathers
-    a checksum of each integer input tensor (ids and labels: two)."""
-    groups = [g for g, n in (("tp", tp), ("cp", cp)) if n > 1]
-    return {"forwards": GUARDED_FORWARDS if groups else 0, "groups": groups,
-            "all_gather": {"count": len(groups), "bytes": len(groups) * 2 * CHECKSUM_BYTES,
-                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES}}
-
-
 def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq: int | None = None,
                   dp_shard: int = 1, fp8: bool = False, cp: int = 1) -> dict[str, Any]:
     """The ``cost`` section of ``dump-plan``: per-rank collectives and memory of one step.
@@ -524,9 +511,9 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     mem["total"] = sum(v for v in mem.values() if v is not None)
     return {
         "tp": plan.tp, "dp_shard": dp_shard, "cp": cp, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
-        "per_step": _totals(issues, tokens),
-        "eval_step": _eval_step(issues, tokens),
-        "input_guard": _input_guard(plan.tp, cp),
+        "per_step": totals(issues, tokens),
+        "eval_step": eval_step(issues, tokens),
+        "input_guard": input_guard(plan.tp, cp),
         "memory_per_rank": mem,
         "activations": activations,
         "issues": [_issue_dict(i) for i in issues],

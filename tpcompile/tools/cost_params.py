@@ -1,17 +1,21 @@
 """The parameter side of the cost model: FSDP2's shards and collectives, per-rank
-parameter memory, and FP8's amax all-reduces (:mod:`tpcompile.tools.cost` adds the TP
-collectives traced from the graph and the activations)."""
+parameter memory, FP8's amax all-reduces, and the totals of a step's collectives (the
+training step, the eval step, the input guard); :mod:`tpcompile.tools.cost` adds the TP
+collectives traced from the graph and the activations."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from torch import nn
 
 from ..plan.types import Plan
+from ..runtime.markers import CHECKSUM_BYTES, GUARDED_FORWARDS
 
-__all__ = ["Issue", "fp8_gathered", "fp8_issues", "fsdp_issues", "local_shape", "memory"]
+__all__ = ["COLLECTIVES", "Issue", "eval_step", "fp8_gathered", "fp8_issues", "fsdp_issues", "input_guard", "local_shape",
+           "memory", "totals"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,3 +130,43 @@ def fp8_issues(model: nn.Module, plan: Plan, gathered: frozenset[str] = frozense
         issues.append(Issue(source="fp8:scales", phase="forward", op="all_reduce", group="world", count=1,
                             fixed_bytes=4 * len(gathered), what="fp8 amaxes of the FP8-gathered weights"))
     return issues
+
+
+# every collective name the cost section may report (torch.distributed functions)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "broadcast")
+
+
+def totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for phase in ("forward", "backward"):
+        table: dict[str, dict[str, Any]] = {}
+        for op in COLLECTIVES:
+            mine = [i for i in issues if i.phase == phase and i.op == op]
+            count = sum(i.count for i in mine)
+            if tokens is None:
+                per_token = sum((i.count * i.bytes_per_token for i in mine), Fraction(0))
+                table[op] = {"count": count, "bytes_per_token": float(per_token),
+                             "fixed_bytes": sum(i.count * i.fixed_bytes for i in mine)}
+            else:
+                table[op] = {"count": count, "bytes": int(sum((i.bytes(tokens) for i in mine), Fraction(0)))}
+        out[phase] = table
+    return out
+
+
+def eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """An evaluation loop's forward under ``no_grad``: the training forward's collectives
+    (FSDP2 gathers every unit in it as in training, FP8 takes its amaxes), with labels
+    and without them (no loss, none of its collectives)."""
+    return {"labels": totals(issues, tokens)["forward"],
+            "no_labels": totals([i for i in issues if i.source != "loss"], tokens)["forward"]}
+
+
+def input_guard(tp: int, cp: int) -> dict[str, Any]:
+    """What the input guard adds: in the first forwards in training and again in eval
+    mode (an evaluation loop, ``generate()``'s prompt), every TP and CP group all-gathers
+    a checksum of each integer input tensor (ids and labels: two)."""
+    groups = [g for g, n in (("tp", tp), ("cp", cp)) if n > 1]
+    return {"forwards": GUARDED_FORWARDS if groups else 0, "groups": groups,
+            "all_gather": {"count": len(groups), "bytes": len(groups) * 2 * CHECKSUM_BYTES,
+                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES}}

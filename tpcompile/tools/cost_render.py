@@ -42,9 +42,12 @@ def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
     calls: dict[str, dict[str, dict[str, int]]] = {}
     per_block: dict[str, dict[str, dict[str, int]]] = {}
     first: dict[str, str] = {}
+    stats: dict[str, float] = {}  # modules computing split statistics: bytes per token, forward
     for i in cost["issues"]:
         if i["source"] == "loss" or i["source"].startswith("fsdp:"):
             continue
+        if i["what"].startswith("partial statistic") and i["phase"] == "forward":
+            stats[i["modules"]] = stats.get(i["modules"], 0.0) + i["bytes_per_token"]
         entry = calls.setdefault(i["modules"], {"forward": {}, "backward": {}})
         entry[i["phase"]][i["op"]] = entry[i["phase"]].get(i["op"], 0) + 1
         first.setdefault(i["modules"], i["source"])
@@ -60,6 +63,8 @@ def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
         line = f"{label}: fwd {_ops_text(entry['forward'])}; bwd {_ops_text(entry['backward'])}"
         if sharers.get(first[label]):
             line += f" (input all-reduce shared with {', '.join(sharers[first[label]])})"
+        if label in stats:
+            line += f" (partial statistics over split features, {stats[label]:g} B/token)"
         lines.append(line)
     if per_block:
         block, entry = next(iter(per_block.items()))
