@@ -73,8 +73,9 @@ def run_distributed(
     first child failure in the parent; remaining children are terminated rather than
     left blocked in a collective.  ``timeout`` (seconds) bounds both the whole run and
     each gloo collective; a run that times out is run once more in fresh processes (with
-    a warning), since gloo's transport can deadlock on its own.  ``fresh``: new processes for this run (for code whose
-    contract is once per process, like ``tpcompile.smp.init``), not the session's ranks.
+    a warning), since gloo's transport can deadlock on its own.  ``fresh``: new processes
+    for this run (for code whose contract is once per process, like
+    ``tpcompile.smp.init``), not the session's ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

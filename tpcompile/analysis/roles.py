@@ -124,16 +124,13 @@ def _aligned_checks(a: Analyzed) -> set:
             for d in sliced:
                 pd = ref.dims[d - offset] if d - offset >= 0 else None
                 lay = _slice_layout(ref.fqn, pd, ranks, d, part.tp)
-                if lay is None and _split_by_stat(a, ev.atoms):
-                    continue
-                if lay is None:
-                    force |= _region_blocks(part, an, ev.atoms.reshape(-1))
-                    continue
-                prev = a.layouts.get(ref.fqn)
-                if prev is not None and (prev.dim != lay.dim or not np.array_equal(prev.index, lay.index)):
-                    if _split_by_stat(a, ev.atoms):
-                        continue
-                    force |= _region_blocks(part, an, ev.atoms.reshape(-1))
+                prev = a.layouts.get(ref.fqn) if lay is not None else None
+                if lay is None or (prev is not None and (prev.dim != lay.dim
+                                                         or not np.array_equal(prev.index, lay.index))):
+                    # no slice of the parameter matches: its region stays whole, unless an
+                    # untied statistic is what split it (that statistic ties again)
+                    if not _split_by_stat(a, ev.atoms):
+                        force |= _region_blocks(part, an, ev.atoms.reshape(-1))
                     continue
                 a.layouts[ref.fqn] = lay
             if shared and not ref.is_buffer and not sliced:
@@ -150,9 +147,9 @@ def _aligned_checks(a: Analyzed) -> set:
                 a.reentry.update(found)
                 a.grad_allreduce |= found.params
                 continue
-        if (sliced or (shared and ev.tainted)) and _split_by_stat(a, ev.atoms):
-            continue
         if sliced or (shared and ev.tainted):
+            if _split_by_stat(a, ev.atoms):
+                continue
             what = "would need slicing" if sliced else "has a gradient the local features each add to"
             region = _region_blocks(part, an, ev.atoms.reshape(-1))
             behind = _rows_behind(an, part, node) if sliced else set()

@@ -183,7 +183,9 @@ def install_gather_scales(model: nn.Module, group: Any = None) -> None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         for i, (m, p) in enumerate(pairs):
             m.fp8_gather_scale = (_amax_to_scale(amax[i], m), p._version)
-            m.fp8_gather_group = group
+
+    for m, _ in _gathered(model):  # a block's own fresh scale (_scale_of) reduces over the same ranks
+        m.fp8_gather_group = group
 
     # prepended after fully_shard: runs before FSDP2's own pre-forward (its all-gathers)
     model.register_forward_pre_hook(precompute, prepend=True, with_kwargs=True)

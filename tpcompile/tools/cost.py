@@ -509,10 +509,11 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         mem["activations"] = None
         notes.append("activations need --batch and --seq")
     mem["total"] = sum(v for v in mem.values() if v is not None)
+    per_step = totals(issues, tokens)
     return {
         "tp": plan.tp, "dp_shard": dp_shard, "cp": cp, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
-        "per_step": totals(issues, tokens),
-        "eval_step": eval_step(issues, tokens),
+        "per_step": per_step,
+        "eval_step": eval_step(issues, tokens, per_step),
         "input_guard": input_guard(plan.tp, cp),
         "memory_per_rank": mem,
         "activations": activations,

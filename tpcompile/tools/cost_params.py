@@ -154,11 +154,12 @@ def totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[
     return out
 
 
-def eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
+def eval_step(issues: list[Issue], tokens: int | None, per_step: dict[str, dict[str, dict[str, Any]]]
+              ) -> dict[str, dict[str, dict[str, Any]]]:
     """An evaluation loop's forward under ``no_grad``: the training forward's collectives
-    (FSDP2 gathers every unit in it as in training, FP8 takes its amaxes), with labels
-    and without them (no loss, none of its collectives)."""
-    return {"labels": totals(issues, tokens)["forward"],
+    (``per_step["forward"]``: FSDP2 gathers every unit in it as in training, FP8 takes its
+    amaxes) with labels, and without them (no loss, none of its collectives)."""
+    return {"labels": per_step["forward"],
             "no_labels": totals([i for i in issues if i.source != "loss"], tokens)["forward"]}
 
 
