@@ -32,7 +32,7 @@ from tpcompile.tools.hardware import (
     load_profile,
     save_profile,
 )
-from tpcompile.tools.layout import Layout, LayoutReport, Prediction, plan_layout
+from tpcompile.tools.layout import Layout, LayoutReport, Prediction, plan_layout, price_layouts
 
 __all__: list[str] = []
 
@@ -162,7 +162,7 @@ def test_gpus_per_node_changes_nothing_for_tp_within_the_node(llama: nn.Module, 
 
 
 def test_experts_are_searched_for_a_moe_model() -> None:
-    model = _tiny("mixtral", dtype="bfloat16")  # the fake grouped matmul wants bf16
+    model = _tiny("mixtral")  # float32: torch's meta grouped matmul wants bf16, the estimate runs it anyway
     report = plan_layout(model, gpus=4, hardware="h100-80gb", batch=8, seq=_SEQ, top=1000)
     eps = {p.layout.ep for p in report.ranked}
     assert eps == {1, 2, 4}  # 4 experts: ep divides them and dp_shard
@@ -171,6 +171,60 @@ def test_experts_are_searched_for_a_moe_model() -> None:
             assert p.time["ep"] > 0 and p.layout.dp_shard % p.layout.ep == 0
     # every parallelism composes with pp: experts inside pipeline stages are searched too
     assert any(p.layout.ep > 1 and p.layout.pp > 1 for p in report.ranked)
+
+
+def test_price_layouts_prices_as_the_search_does(llama: nn.Module, report4: LayoutReport) -> None:
+    ranked = report4.ranked[:5]
+    again = price_layouts(llama, [p.layout for p in ranked], gpus=4, hardware="h100-80gb", batch=8, seq=_SEQ)
+    assert [(p.time, p.memory) for p in again] == [(p.time, p.memory) for p in ranked]
+    with pytest.raises(TPError, match="tp3 dp_shard2 is not one the search admits"):
+        price_layouts(llama, [Layout(tp=3, dp_shard=2)], gpus=6, hardware="h100-80gb", batch=6, seq=_SEQ)
+    with pytest.raises(TPError, match="at least one"):
+        price_layouts(llama, [], gpus=4, hardware="h100-80gb", seq=_SEQ)
+
+
+def test_overlap_and_shared_compute_change_what_is_exposed(llama: nn.Module) -> None:
+    h100 = get_profile("h100-80gb")
+    slow = Link(bandwidth=1e9, latency=1e-5)  # FSDP2's traffic comparable to the compute
+    base = replace(h100, intra_node=slow, inter_node=slow)
+    fsdp, pipe = Layout(dp_shard=4), Layout(pp=2, pp_schedule="1f1b", pp_microbatches=4, dp_shard=2)
+    job = {"gpus": 4, "batch": 8, "seq": _SEQ}
+    full, half, none = (price_layouts(llama, [fsdp, pipe], hardware=replace(base, comm_overlap=c), **job)
+                        for c in (1.0, 0.5, 0.0))
+    fs = full[0].time
+    assert none[0].time["fsdp_exposed"] > fs["fsdp_exposed"]  # nothing hides: all of FSDP2's traffic is exposed
+    # what hides is the overlap share of the hideable part: linear in the share
+    assert half[0].time["fsdp_exposed"] == pytest.approx((fs["fsdp_exposed"] + none[0].time["fsdp_exposed"]) / 2)
+    assert none[0].time["compute"] == fs["compute"]
+    # ranks sharing cores: a pipeline's idle ranks lend theirs, so its bubble shrinks, to none at 2x
+    bubble = full[1].time["bubble"]
+    less = price_layouts(llama, [pipe], hardware=replace(base, solo_flops={"bf16": 1.1 * base.achievable("bf16")}),
+                         **job)[0].time["bubble"]
+    gone = price_layouts(llama, [pipe], hardware=replace(base, solo_flops={"bf16": 4 * base.achievable("bf16")}),
+                         **job)[0].time["bubble"]
+    assert bubble > less > gone == 0.0
+    # per collective links: a slow reduce-scatter costs FSDP2, not TP without SP
+    slow_gather = replace(slow, ops={"reduce_scatter": [1e7, 1e-5]})
+    gathered = price_layouts(llama, [fsdp, Layout(tp=4)], hardware=replace(base, intra_node=slow_gather,
+                                                                            inter_node=slow_gather), **job)
+    assert gathered[0].time["fsdp_exposed"] > fs["fsdp_exposed"]
+    assert gathered[1].time["tp"] == price_layouts(llama, [Layout(tp=4)], hardware=base, **job)[0].time["tp"]
+
+
+def test_profile_fields_are_checked_and_round_trip(tmp_path: Path) -> None:
+    hw = replace(get_profile("cpu"), comm_overlap=0.25, solo_flops={"fp32": 1e11},
+                 intra_node=Link(bandwidth=1e9, latency=1e-4, ops={"all_gather": [2e8, 3e-4]}))
+    save_profile(hw, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == hw
+    assert hw.intra_node.for_op("all_gather_into_tensor") == (2e8, 3e-4)
+    assert hw.intra_node.for_op("all_reduce") == (1e9, 1e-4) and hw.solo("fp32") == 1e11
+    assert hw.solo("bf16") == hw.achievable("bf16")  # nothing shared: the achievable rate
+    with pytest.raises(TPError, match="comm_overlap"):
+        replace(hw, comm_overlap=1.5)
+    with pytest.raises(TPError, match="ops are"):
+        Link(bandwidth=1.0, latency=0.0, ops={"gather": [1.0, 0.0]})
+    with pytest.raises(TPError, match="bandwidth > 0"):
+        Link(bandwidth=1.0, latency=0.0, ops={"p2p": [0.0, 0.0]})
 
 
 def test_layout_kwargs_name_parallelize_arguments() -> None:
@@ -222,13 +276,16 @@ def test_dump_plan_auto_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow  # spawns 2 processes (~20-40 s on a loaded 2-core host)
 def test_calibrate_measures_positive_links(tmp_path: Path) -> None:
-    from tpcompile.tools.hardware import calibrate
+    from tpcompile.tools.calibration import calibrate
 
-    hw = calibrate(procs=2, sizes=(4096, 1 << 20), repeats=3, seconds_per_dtype=0.05)
+    hw = calibrate(procs=2, sizes=(4096, 1 << 20), repeats=3, seconds_per_dtype=0.05, threads=1)
     assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency > 0
-    assert hw.achievable("fp32") > 0 and hw.memory_bytes > 0
-    for op in ("all_reduce", "all_gather", "p2p"):
+    assert hw.achievable("fp32") > 0 and hw.memory_bytes > 0 and 0.0 <= hw.comm_overlap <= 1.0
+    assert hw.solo("fp32") >= hw.achievable("fp32") and hw.measurements["threads"] == 1
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         m = hw.measurements["collectives"][op]
         assert m["bus_bandwidth"] > 0 and m["latency"] > 0
+        if op != "all_reduce":  # the link's own pair is the all-reduce's; every other its own
+            assert hw.intra_node.for_op(op) == (m["bus_bandwidth"], m["latency"])
     save_profile(hw, tmp_path / "me.json")
     assert load_profile(tmp_path / "me.json") == hw

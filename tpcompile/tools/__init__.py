@@ -21,7 +21,7 @@ __all__ = ["WorkerFailed", "calibrate", "estimate_cost", "free_port", "plan_layo
 
 # imported on first use: ``python -m tpcompile --help`` should not pay for the cost model
 _HOME = {"estimate_cost": "cost", "shrink_config": "shrink", "verify": "verify", "spawn_local": "launch",
-         "free_port": "launch", "WorkerFailed": "launch", "plan_layout": "layout", "calibrate": "hardware"}
+         "free_port": "launch", "WorkerFailed": "launch", "plan_layout": "layout", "calibrate": "calibration"}
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 ``dump-plan --auto --gpus N --hardware NAME|FILE.json --seq S [--batch B]`` ranks the
 layouts that fit N devices (:func:`~tpcompile.tools.layout.plan_layout`); ``calibrate``
-measures this machine into a hardware profile (:func:`~tpcompile.tools.hardware.calibrate`).
+measures this machine into a hardware profile (:func:`~tpcompile.tools.calibration.calibrate`).
 :mod:`tpcompile.tools.cli` owns the parser; this module adds the flags and runs them.
 """
 
@@ -94,8 +94,9 @@ def add_calibrate(sub: Any) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibration import calibrate
     from .cost_render import human_bytes
-    from .hardware import calibrate, save_profile
+    from .hardware import save_profile
 
     try:
         hw = calibrate(procs=args.procs)

@@ -351,6 +351,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
 
     from ..analysis.fixups import apply_fixups
     from .cost_context import ATTENDING, context_forward
+    from .fake_kernels import FakeKernelFixes
 
     cap = cap or capture(model)
     stacks = cap.stacks
@@ -409,7 +410,7 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
             out, local = context_forward(shadow, mode, pack, cp, batch, seq)
         else:
             local = seq
-            with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with mode, FakeKernelFixes(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 ids = torch.zeros(batch, seq, dtype=torch.long)
                 try:
                     out = shadow(ids, use_cache=False)

@@ -28,6 +28,7 @@ from ..analysis.propagate import innermost_module
 from ..capture import Capture
 from ..plan.types import Plan
 from .cost import Issue, _capture_tokens, _label, _nbytes
+from .fake_kernels import FakeKernelFixes
 
 __all__ = ["ATTENDING", "context_forward", "context_issues", "context_summary"]
 
@@ -70,7 +71,7 @@ def context_forward(shadow: nn.Module, mode: Any, pack: Any, cp: int, batch: int
     try:
         # no group to compare batches over: the split checks nothing
         _, kwargs = rank0.split((), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}, None)
-        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with mode, FakeKernelFixes(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for name, value in list(vars(rank0).items()):  # its positions, as fake tensors
                 if isinstance(value, torch.Tensor):
                     setattr(rank0, name, mode.from_tensor(value))

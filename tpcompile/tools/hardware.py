@@ -5,7 +5,7 @@
 each collective over the link its mesh dim runs on (``intra_node`` inside a node,
 ``inter_node`` across), memory against ``memory_bytes``.  A profile is plain data: a
 built-in name, a JSON file (:func:`load_profile` / :func:`save_profile`) or what
-:func:`calibrate` measures on this machine (``python -m tpcompile calibrate``).
+:func:`~tpcompile.tools.calibration.calibrate` measures on this machine (``python -m tpcompile calibrate``).
 
 Built-in profiles, from the vendors' datasheets (dense peaks, i.e. the "with sparsity"
 figures halved):
@@ -42,10 +42,8 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,11 +52,14 @@ import torch
 
 from ..errors import TPError
 
-__all__ = ["PROFILES", "HardwareProfile", "Link", "calibrate", "device_profile", "get_profile", "load_profile",
-           "profile_for_device", "save_profile"]
+__all__ = ["COLLECTIVES", "DTYPES", "PROFILES", "HardwareProfile", "Link", "device_profile", "get_profile",
+           "load_profile", "profile_for_device", "save_profile"]
 
 PROFILE_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "broadcast")
+_FAMILY = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+           "all_to_all_single": "all_to_all"}
 _GB = 1e9
 _T = 1e12
 
@@ -71,10 +72,22 @@ class Link:
     bandwidth: float
     latency: float
     peak_bandwidth: float | None = None  # the datasheet figure the bandwidth derates
+    # per collective, [bus bandwidth, latency per step] where it differs from the link's
+    # own (gloo's all-gather runs far below its all-reduce; calibrate measures each)
+    ops: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or self.latency < 0:
-            raise TPError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
+        for bw, lat in [(self.bandwidth, self.latency), *self.ops.values()]:
+            if not bw > 0 or lat < 0:
+                raise TPError(f"a link needs bandwidth > 0 and latency >= 0, got {bw}, {lat}")
+        if unknown := set(self.ops) - set(COLLECTIVES):
+            raise TPError(f"a link's ops are {', '.join(COLLECTIVES)}, got {', '.join(sorted(unknown))}")
+
+    def for_op(self, op: str) -> tuple[float, float]:
+        """``(bus bandwidth, latency per step)`` of collective ``op`` (torch's name or
+        the family's: ``all_gather_into_tensor`` is an ``all_gather``)."""
+        got = self.ops.get(_FAMILY.get(op, op))
+        return (got[0], got[1]) if got else (self.bandwidth, self.latency)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,18 +109,35 @@ class HardwareProfile:
     gpus_per_node: int = 8
     source: str = ""
     measurements: dict[str, Any] = field(default_factory=dict)
+    # the share of the communication the model lets hide behind compute (FSDP2's
+    # prefetched all-gathers, its reduce-scatters during backward) that does hide: 1 on
+    # GPUs (copy engines, their own streams); less where collectives run on the cores
+    # that compute (gloo on a CPU host: calibrate measures it)
+    comm_overlap: float = 1.0
+    # FLOP/s of one device while its peers idle, where devices share compute (ranks on
+    # one CPU host's cores): a pipeline's idle ranks lend their share to the busy ones.
+    # Empty: devices share nothing (GPUs), the achievable rate holds either way
+    solo_flops: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for d in (*self.peak_flops, *self.achievable_flops):
+        for d in (*self.peak_flops, *self.achievable_flops, *self.solo_flops):
             if d not in DTYPES:
                 raise TPError(f"hardware profile {self.name!r}: unknown dtype {d!r} (known: {', '.join(DTYPES)})")
         if self.memory_bytes <= 0 or self.gpus_per_node < 1:
             raise TPError(f"hardware profile {self.name!r}: memory_bytes and gpus_per_node must be positive")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise TPError(f"hardware profile {self.name!r}: comm_overlap is a share in [0, 1], got "
+                          f"{self.comm_overlap}")
 
     def achievable(self, dtype: str) -> float:
         """Achievable FLOP/s for ``dtype`` (``fp16`` falls back to ``bf16``); 0: none."""
         return float(self.achievable_flops.get(dtype, self.achievable_flops.get("bf16", 0.0)
                                                if dtype == "fp16" else 0.0))
+
+    def solo(self, dtype: str) -> float:
+        """FLOP/s of one device while its peers idle: ``solo_flops``, else the achievable
+        rate (nothing shared)."""
+        return float(self.solo_flops.get(dtype, 0.0)) or self.achievable(dtype)
 
     def peak(self, dtype: str) -> float:
         return float(self.peak_flops.get(dtype, self.peak_flops.get("bf16", 0.0) if dtype == "fp16" else 0.0))
@@ -125,7 +155,7 @@ class HardwareProfile:
         rest = {k: v for k, v in d.items() if k != "version"}
         try:
             return cls(**{**rest, "intra_node": Link(**rest["intra_node"]), "inter_node": Link(**rest["inter_node"])})
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise TPError(f"not a hardware profile: {exc}") from None
 
 
@@ -220,166 +250,3 @@ def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
 
 def save_profile(profile: HardwareProfile, path: str | os.PathLike[str]) -> None:
     Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-
-# ------------------------------------------------------------------ calibration
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _time_calls(fn: Any, seconds: float) -> float:
-    """Median seconds per call of ``fn`` (a loaded host's outliers are long): one
-    warm-up call, then calls for ``seconds`` (at least 3)."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def measure_matmul(dtype: str, *, n: int = 512, seconds: float = 0.3) -> float:
-    """FLOP/s of an ``n x n`` by ``n x n`` ``torch.mm`` in ``dtype`` on this process's
-    CPU threads (``fp8``: ``torch._scaled_mm`` of float8_e4m3fn operands); 0 when the
-    dtype does not run here.  A dtype without fast kernels here (CPU fp16 / fp8 can run
-    at MFLOP/s) is timed at ``n / 2`` when one call at ``n`` would take over 0.5 s."""
-    try:
-        probe = _matmul_call(dtype, n // 2)
-        once = _time_calls(probe, 0.0)
-        size, call = (n, _matmul_call(dtype, n)) if once * 8 <= 0.5 else (n // 2, probe)
-        return 2.0 * size ** 3 / _time_calls(call, seconds)
-    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-        return 0.0
-
-
-def _matmul_call(dtype: str, n: int) -> Any:
-    if dtype == "fp8":
-        a = torch.randn(n, n).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n).to(torch.float8_e4m3fn).t()  # _scaled_mm wants a column-major b
-        one = torch.tensor(1.0)
-        return lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
-    a = torch.randn(n, n, dtype=_TORCH_DTYPES[dtype])
-    b = torch.randn(n, n, dtype=_TORCH_DTYPES[dtype])
-    return lambda: torch.mm(a, b)
-
-
-def _comm_worker(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
-    """Seconds per call of each collective at each size (bytes, float32), on one rank of
-    a gloo group (spawned by :func:`calibrate`; module-level so it pickles)."""
-    import torch.distributed as dist
-
-    out: dict[str, dict[int, float]] = {}
-    for op in ("all_reduce", "all_gather", "p2p", "all_to_all"):
-        out[op] = {}
-        for size in sizes:
-            numel = max(world, size // 4 // world * world)
-            x = torch.ones(numel)
-            gathered = torch.empty(numel * world)
-            recv = torch.empty(numel)
-
-            def call(op: str = op, x: torch.Tensor = x, gathered: torch.Tensor = gathered,
-                     recv: torch.Tensor = recv) -> None:
-                if op == "all_reduce":
-                    dist.all_reduce(x)
-                elif op == "all_gather":  # all_gather_into_tensor's torch >= 2.13 name
-                    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, x)
-                elif op == "all_to_all":
-                    dist.all_to_all_single(recv, x)
-                elif rank == 0:  # ping-pong between ranks 0 and 1; halved below
-                    dist.send(x, 1)
-                    dist.recv(recv, 1)
-                elif rank == 1:
-                    dist.recv(recv, 0)
-                    dist.send(x, 0)
-
-            try:
-                call()  # warm-up (and: does the backend have it? older gloo has no all_to_all)
-                call()
-                per = []
-                for _ in range(repeats):  # the median: a loaded host's outliers are long
-                    dist.barrier()
-                    start = time.perf_counter()
-                    call()
-                    per.append(time.perf_counter() - start)
-                per.sort()
-                median = per[len(per) // 2]
-            except (RuntimeError, NotImplementedError, ValueError):
-                out.pop(op)
-                dist.barrier()
-                break
-            out[op][numel * 4] = median / 2 if op == "p2p" else median
-    return out
-
-
-def _steps(op: str, p: int) -> int:
-    """Latency-bound steps of a collective over ``p`` ranks (tree / recursive doubling,
-    as :mod:`~tpcompile.tools.layout` prices them)."""
-    log = max(1, math.ceil(math.log2(p))) if p > 1 else 0
-    return 1 if op == "p2p" else 2 * log if op == "all_reduce" else log
-
-
-def _bus_factor(op: str, p: int) -> float:
-    """nccl-tests' bus-bandwidth factor: bytes on the wire per rank over the buffer size."""
-    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "all_to_all": (p - 1) / p}.get(op, 1.0)
-
-
-def fit_link(times: dict[int, float], op: str, p: int) -> tuple[float, float]:
-    """``(bus bandwidth, latency per step)`` from seconds per call at two or more sizes:
-    the smallest gives the latency, the slope to the largest the bandwidth."""
-    small, large = min(times), max(times)
-    latency = times[small] / max(1, _steps(op, p))
-    # a noisy small-size time can exceed a larger one: never let the slope go below the
-    # large size's own rate
-    slope = max(times[large] - times[small], 0.5 * times[large]) / max(large - small, 1)
-    return _bus_factor(op, p) / slope, latency
-
-
-def _host_memory() -> float:
-    """Bytes of memory this host (or its cgroup) allows."""
-    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            total = min(total, float(limit))
-    except OSError:
-        pass
-    return total
-
-
-def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...] = (4096, 1 << 20, 8 << 20),
-              repeats: int = 5, seconds_per_dtype: float = 0.3, timeout: float = 120.0) -> HardwareProfile:
-    """Measure this machine into a profile: ``torch.mm`` FLOP/s per dtype in this
-    process, then all-reduce / all-gather / p2p (and all-to-all where the backend has
-    it) over ``procs`` local gloo processes.
-
-    The measured rates are both peak and achievable (nothing is derated); memory per
-    device is the host's (or cgroup's) memory divided by ``procs``; both link levels
-    are the local group's (one host: nothing crosses a node). ``measurements`` keeps
-    every timing. Takes about 10-30 s at the defaults.
-
-    Example:
-        >>> hw = calibrate(procs=2)                                  # doctest: +SKIP
-        >>> hw.intra_node.bandwidth > 0, sorted(hw.measurements["collectives"])
-        (True, ['all_gather', 'all_reduce', 'p2p'])
-    """
-    from .launch import spawn_local
-
-    if procs < 2:
-        raise TPError(f"calibrate needs at least 2 processes to measure links, got procs={procs}")
-    rates = {d: measure_matmul(d, seconds=seconds_per_dtype) for d in DTYPES}
-    rates = {d: r for d, r in rates.items() if r > 0}
-    timings = spawn_local(_comm_worker, procs, list(sizes), repeats, timeout=timeout)[0]
-    links = {op: fit_link(t, op, procs) for op, t in timings.items()}
-    bandwidth, latency = links["all_reduce"]
-    link = Link(bandwidth=bandwidth, latency=latency)
-    return HardwareProfile(
-        name=name, peak_flops=rates, achievable_flops=dict(rates), memory_bytes=_host_memory() / procs,
-        intra_node=link, inter_node=link, gpus_per_node=max(procs, os.cpu_count() or procs),
-        source=f"measured by tpcompile calibrate on this host: torch.mm 512^3 per dtype ({torch.get_num_threads()} "
-               f"threads), gloo collectives over {procs} local processes (links from the all-reduce)",
-        measurements={"matmul_flops": rates, "procs": procs,
-                      "collectives": {op: {"seconds": {str(k): v for k, v in t.items()},
-                                           "bus_bandwidth": links[op][0], "latency": links[op][1]}
-                                      for op, t in timings.items()}})

@@ -30,10 +30,17 @@ profile's memory less ``headroom`` (allocator fragmentation, CUDA context, NCCL 
   (they sit between the matmuls that need them; no async TP, no comm/compute overlap);
 * FSDP2 / HSDP: all-gathers are prefetched and reduce-scatters run during backward, so
   they hide behind compute, except the root's first all-gather and last reduce-scatter
-  (and all-reduce across replicas); what exceeds the step's compute is exposed;
+  (and all-reduce across replicas); what exceeds the step's compute is exposed, and of
+  the rest only the profile's ``comm_overlap`` share hides (1 on GPUs; gloo on a CPU
+  host computes and communicates on the same cores);
 * pipeline: the bubble ``f / (1 - f)`` of the busiest rank's time, ``f`` the schedule's
   idle fraction (:func:`~tpcompile.plan.stages.bubble_fraction`), and the fill and
-  drain's point-to-point sends ``2 (pp x v - 1)``; steady-state sends overlap;
+  drain's point-to-point sends ``2 (pp x v - 1)``; steady-state sends overlap.  Where
+  devices share compute (the profile's ``solo_flops``: ranks on one host's cores), a
+  busy rank computes at the solo rate while its peers idle: the step is ``(solo compute
+  + exposed comm) / (1 - f)``, never less than the busy time at the shared rate;
+* collectives: each at its own ``(bandwidth, latency)`` where the link lists it
+  (``Link.ops``), else the link's;
 * links: the mesh is ``(pp, dp_replicate, dp_shard, cp, tp)``, innermost last, ranks in
   order, ``gpus_per_node`` per node: a dim whose ranks span more than a node uses the
   profile's ``inter_node`` link, else ``intra_node``; tp never leaves a node.
@@ -61,7 +68,7 @@ from ..errors import TPError
 from ..plan.layout import Layout  # plan-stage data: the front doors apply it, this module ranks it
 from .hardware import HardwareProfile, device_profile, get_profile
 
-__all__ = ["Layout", "LayoutReport", "Prediction", "choose_layout", "plan_layout"]
+__all__ = ["Layout", "LayoutReport", "Prediction", "choose_layout", "plan_layout", "price_layouts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,18 +189,49 @@ def plan_layout(model: Any, *, gpus: int, hardware: str | HardwareProfile, batch
     from .layout_search import search
 
     start = time.perf_counter()
+    check_degree("top", top)
+    job = _job(model, gpus=gpus, hardware=hardware, batch=batch, seq=seq, gpus_per_node=gpus_per_node, dtype=dtype,
+               headroom=headroom)
+    report = search(**job, top=top, fp8=fp8)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def price_layouts(model: Any, layouts: list[Layout], *, gpus: int, hardware: str | HardwareProfile,
+                  batch: int | None = None, seq: int, gpus_per_node: int | None = None, dtype: str = "bf16",
+                  headroom: float = 0.1) -> list[Prediction]:
+    """The predictions of the given layouts, priced exactly as :func:`plan_layout` prices
+    them (same arguments), in their order; a layout the search would not admit raises a
+    TPError saying why.  For comparing your layout with the search's best, or the
+    predictions with measured runs (``benchmarks/layout_rank.py``).
+
+    Example:
+        >>> preds = price_layouts("llama-8b", [Layout(tp=8), Layout(dp_shard=8)], gpus=8,  # doctest: +SKIP
+        ...                       hardware="h100-80gb", seq=8192)
+        >>> [round(p.time["total"], 2) for p in preds]
+    """
+    from .layout_search import price_given
+
+    if not layouts:
+        raise TPError("price_layouts needs at least one Layout")
+    job = _job(model, gpus=gpus, hardware=hardware, batch=batch, seq=seq, gpus_per_node=gpus_per_node, dtype=dtype,
+               headroom=headroom)
+    return price_given(job.pop("model"), list(layouts), **job)
+
+
+def _job(model: Any, *, gpus: int, hardware: str | HardwareProfile, batch: int | None, seq: int,
+         gpus_per_node: int | None, dtype: str, headroom: float) -> dict[str, Any]:
+    """The search's checked inputs: the meta model and its name, the profile, the job."""
     hw = get_profile(hardware)
     gpn = gpus_per_node or hw.gpus_per_node
     batch = gpus if batch is None else batch
-    for key, value in (("gpus", gpus), ("seq", seq), ("gpus_per_node", gpn), ("top", top), ("batch", batch)):
+    for key, value in (("gpus", gpus), ("seq", seq), ("gpus_per_node", gpn), ("batch", batch)):
         check_degree(key, value)
     if hw.achievable(dtype) <= 0:
         raise TPError(f"hardware {hw.name!r} has no {dtype} rate; dtypes it has: {', '.join(hw.achievable_flops)}")
     meta, name = _resolve_model(model)
-    report = search(meta, name=name, hw=hw, gpus=gpus, gpn=gpn, batch=batch, seq=seq, dtype=dtype, top=top,
-                    usable=hw.memory_bytes * (1 - headroom), fp8=fp8)
-    report.seconds = time.perf_counter() - start
-    return report
+    return {"model": meta, "name": name, "hw": hw, "gpus": gpus, "gpn": gpn, "batch": batch, "seq": seq,
+            "dtype": dtype, "usable": hw.memory_bytes * (1 - headroom)}
 
 
 def choose_layout(model: nn.Module, *, gpus: int, gpus_per_node: int | None, hardware: str | HardwareProfile | None,

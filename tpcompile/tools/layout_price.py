@@ -35,15 +35,16 @@ def collective_time(op: str, p: int, nbytes: float, link: Link) -> float:
     if p <= 1:
         return 0.0
     log = math.ceil(math.log2(p))
+    bandwidth, latency = link.for_op(op)
     if op == "all_reduce":
-        return 2 * log * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+        return 2 * log * latency + 2 * (p - 1) / p * nbytes / bandwidth
     if op in ("all_gather", "all_gather_into_tensor"):
-        return log * link.latency + (p - 1) * nbytes / link.bandwidth
+        return log * latency + (p - 1) * nbytes / bandwidth
     if op == "p2p":
-        return link.latency + nbytes / link.bandwidth
+        return latency + nbytes / bandwidth
     if op == "broadcast":
-        return log * link.latency + nbytes / link.bandwidth
-    return log * link.latency + (p - 1) / p * nbytes / link.bandwidth  # reduce-scatter, all-to-all
+        return log * latency + nbytes / bandwidth
+    return log * latency + (p - 1) / p * nbytes / bandwidth  # reduce-scatter, all-to-all
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ class Pricer:
             busy = {k: m * sum(x[k] for x in mine) for k in ("compute", "tp", "cp", "ep")}
             units = self._units(lay, f, r, [stages[i] for i in idx])
             fsdp_total, fsdp_fixed = self._fsdp(lay, units, link)
-            exposed = fsdp_fixed + max(0.0, fsdp_total - fsdp_fixed - busy["compute"])
+            rest = fsdp_total - fsdp_fixed  # what prefetching may hide behind compute, as far as the hardware overlaps
+            exposed = fsdp_total - hw.comm_overlap * min(rest, busy["compute"])
             mem = self._memory(lay, units, [per_stage[i] for i in idx], [peaks.get(i, 1) for i in idx], mb)
             if best is None or sum(busy.values()) + exposed > best["busy"] + best["fsdp"]:
                 best = {"busy": sum(busy.values()), "fsdp": exposed, **busy}
@@ -220,7 +222,12 @@ class Pricer:
             from ..plan.stages import bubble_fraction
 
             frac = bubble_fraction(lay.pp_schedule, lay.pp, lay.pp_virtual, m)
-            t["bubble"] = frac / (1 - frac) * best["busy"]
+            # idle f of the step: busy / (1 - f) in all.  Where devices share compute (ranks
+            # on one host's cores), a busy rank computes at the solo rate while its peers
+            # idle, the step never shorter than the shared rate allows (solo = shared: f / (1 - f))
+            comm = best["busy"] - best["compute"]
+            solo = best["compute"] * self.rate / (hw.solo(self.dtype) or self.rate)
+            t["bubble"] = max(0.0, (solo + comm) / (1 - frac) - best["busy"])
             sent = tokens * mf.hidden_bytes_per_token / (lay.tp if lay.sequence_parallel else 1)  # as split
             hop = collective_time("p2p", 2, sent, link["pp"])
             t["p2p"] = 2 * (lay.pp * lay.pp_virtual - 1) * hop

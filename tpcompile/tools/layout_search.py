@@ -37,7 +37,7 @@ from .layout_facts import (
 )
 from .layout_price import Pricer
 
-__all__ = ["search"]
+__all__ = ["price_given", "search"]
 
 _SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
 _MICROBATCHES = (1, 2, 4, 8)  # x pp
@@ -179,23 +179,49 @@ def _order(p: Prediction) -> tuple[float, float]:
     return (round(p.time["total"], 9), p.memory["total"])
 
 
+def _setup(model: nn.Module, *, name: str, hw: HardwareProfile, gpus: int, gpn: int, batch: int, seq: int,
+           dtype: str, usable: float, fp8: bool, refused: dict[str, int], notes: list[str]) -> tuple[Any, ...]:
+    mf, facts, ok = _gather(model, name, hw, gpus, gpn, seq, fp8, refused, notes)
+    pricer = Pricer(mf, facts, hw, batch=batch, dtype=dtype, gpus=gpus, gpus_per_node=gpn, usable=usable,
+                    fp8_ratio=ok["fp8_ratio"], sp_saving=_sp_saving(facts, seq))
+    return mf, facts, ok, pricer
+
+
+def _predict(pricer: Pricer, lay: Layout) -> Prediction:
+    p = pricer.price(lay)
+    return Prediction(layout=lay, memory=p["memory"], time=p["time"], mfu=p["mfu"], tokens_per_s=p["tokens_per_s"],
+                      fits=p["fits"], inter_node=tuple(d for d, c in p["links"].items() if c and _used(d, lay)))
+
+
+def price_given(model: nn.Module, layouts: list[Layout], *, name: str, hw: HardwareProfile, gpus: int, gpn: int,
+                batch: int, seq: int, dtype: str, usable: float) -> list[Prediction]:
+    """The predictions of exactly ``layouts``, each one the search admits (else a
+    TPError naming the layout and the reasons the search refused degrees)."""
+    refused: dict[str, int] = {}
+    mf, facts, ok, pricer = _setup(model, name=name, hw=hw, gpus=gpus, gpn=gpn, batch=batch, seq=seq, dtype=dtype,
+                                   usable=usable, fp8=any(lay.fp8 for lay in layouts), refused=refused, notes=[])
+    admitted = set(_candidates(mf, facts, pricer, ok, gpus=gpus, batch=batch, refused=refused))
+    for lay in layouts:
+        if lay not in admitted:
+            why = "; ".join(refused) or "its degrees do not multiply to the GPUs, or a switch is not admitted"
+            raise TPError(f"layout {lay.label()} is not one the search admits for {name} on {gpus} x {hw.name} at "
+                          f"batch {batch} x seq {seq} ({why})")
+    return [_predict(pricer, lay) for lay in layouts]
+
+
 def search(model: nn.Module, *, name: str, hw: HardwareProfile, gpus: int, gpn: int, batch: int, seq: int,
            dtype: str, top: int, usable: float, fp8: bool) -> LayoutReport:
     """Gather, enumerate, price, rank (see the module docstring)."""
     refused: dict[str, int] = {}
     notes: list[str] = []
-    mf, facts, ok = _gather(model, name, hw, gpus, gpn, seq, fp8, refused, notes)
-    pricer = Pricer(mf, facts, hw, batch=batch, dtype=dtype, gpus=gpus, gpus_per_node=gpn, usable=usable,
-                    fp8_ratio=ok["fp8_ratio"], sp_saving=_sp_saving(facts, seq))
+    mf, facts, ok, pricer = _setup(model, name=name, hw=hw, gpus=gpus, gpn=gpn, batch=batch, seq=seq, dtype=dtype,
+                                   usable=usable, fp8=fp8, refused=refused, notes=notes)
     fits: dict[tuple, Prediction] = {}
     unfit: dict[tuple, Prediction] = {}
     priced = 0
     for lay in _candidates(mf, facts, pricer, ok, gpus=gpus, batch=batch, refused=refused):
-        p = pricer.price(lay)
+        pred = _predict(pricer, lay)
         priced += 1
-        pred = Prediction(layout=lay, memory=p["memory"], time=p["time"], mfu=p["mfu"],
-                          tokens_per_s=p["tokens_per_s"], fits=p["fits"],
-                          inter_node=tuple(d for d, c in p["links"].items() if c and _used(d, lay)))
         key = _structure(lay)
         if pred.fits:
             if key not in fits or _order(pred) < _order(fits[key]):
