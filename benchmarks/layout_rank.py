@@ -27,7 +27,7 @@ step), max over ranks.  Resident memory would add the interpreter, gloo's buffer
 glibc's arenas, which no layout choice changes.  Every layout's step-0 loss must equal
 the first layout's (rel 1e-4): they train the same step.
 
-``python benchmarks/layout_rank.py [--quick]`` runs it alone; ``--quick`` runs the
+``python benchmarks/layout_rank.py [--quick] [--json]`` runs it alone; ``--quick`` runs the
 world-2 Llama with a smaller model and fewer layouts.
 """
 
@@ -316,5 +316,5 @@ if __name__ == "__main__":
         for r in t["rows"]:
             print(" | ".join(r))
     print("\n".join(res["notes"]))
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "layout_rank.json").write_text(json.dumps(res, indent=1, default=str))
+    if "--json" in sys.argv:
+        print(json.dumps(res["scenarios"], indent=1, default=str))
