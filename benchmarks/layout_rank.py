@@ -170,12 +170,13 @@ def _one_layout(sc: Scenario, kwargs: dict[str, Any]) -> dict[str, Any]:
 
     import tpcompile
 
+    config = sc.model_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(sc.model_config())
+        model = AutoModelForCausalLM.from_config(config)
     model = tpcompile.parallelize(model, seed=0, **kwargs)
     model.train()
     dp_rank, dp_size = tpcompile.data_parallel_rank(model)
-    ids = torch.randint(0, sc.model_config().vocab_size, (sc.batch, sc.seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, config.vocab_size, (sc.batch, sc.seq), generator=torch.Generator().manual_seed(1))
     local = ids.chunk(dp_size)[dp_rank]
     batch = {"input_ids": local, "labels": local}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

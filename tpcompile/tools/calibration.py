@@ -124,6 +124,11 @@ def _collective(op: str, rank: int, x: torch.Tensor, gathered: torch.Tensor, rec
         dist.send(x, 0)
 
 
+def _numel(nbytes: int, world: int) -> int:
+    """Float32 elements of a buffer of about ``nbytes`` that splits evenly over ``world``."""
+    return max(world, nbytes // 4 // world * world)
+
+
 def _collective_times(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
     """Seconds per call of each collective at each size (bytes, float32) on one rank."""
     import torch.distributed as dist
@@ -132,7 +137,7 @@ def _collective_times(rank: int, world: int, sizes: list[int], repeats: int) -> 
     for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all"):
         out[op] = {}
         for size in sizes:
-            numel = max(world, size // 4 // world * world)
+            numel = _numel(size, world)
             bufs = (torch.ones(numel), torch.empty(numel * world), torch.empty(numel), torch.empty(numel // world))
             try:
                 _collective(op, rank, *bufs)  # warm-up (and: does the backend have it?)
@@ -159,7 +164,7 @@ def _overlap(world: int, nbytes: int, rounds: int = 3) -> dict[str, float]:
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    numel = max(world, nbytes // 4 // world * world)
+    numel = _numel(nbytes, world)
     x, out = torch.ones(numel), torch.empty(numel * world)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     gathers = 4
@@ -263,8 +268,9 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
     solo = {d: r for d, r in per_rank[0]["solo"].items() if d in rates and r > rates[d]}
     timings = per_rank[0]["collectives"]
     links = {op: fit_link(t, op, procs) for op, t in timings.items()}
-    bandwidth, latency = links.pop("all_reduce")
-    link = Link(bandwidth=bandwidth, latency=latency, ops={op: [bw, lat] for op, (bw, lat) in links.items()})
+    bandwidth, latency = links["all_reduce"]
+    link = Link(bandwidth=bandwidth, latency=latency,
+                ops={op: [bw, lat] for op, (bw, lat) in links.items() if op != "all_reduce"})
     overlap = sorted(r["overlap"]["share"] for r in per_rank)[len(per_rank) // 2]
     return HardwareProfile(
         name=name, peak_flops=rates, achievable_flops=dict(rates), memory_bytes=_host_memory() / procs,
@@ -277,6 +283,5 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
                       "matmul_flops_per_rank": [r["matmul"] for r in per_rank],
                       "overlap_per_rank": [r["overlap"] for r in per_rank],
                       "collectives": {op: {"seconds": {str(k): v for k, v in t.items()},
-                                           "bus_bandwidth": fit_link(t, op, procs)[0],
-                                           "latency": fit_link(t, op, procs)[1]}
+                                           "bus_bandwidth": links[op][0], "latency": links[op][1]}
                                       for op, t in timings.items()}})

@@ -35,8 +35,8 @@ class FakeKernelFixes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _BF16_ONLY and args[0].dtype not in (torch.bfloat16,):
-            dtype = args[0].dtype
+        dtype = args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
+        if func in _BF16_ONLY and dtype != torch.bfloat16:
             out = func(*(_to(a, torch.bfloat16) for a in args),
                        **{k: _to(v, torch.bfloat16) for k, v in kwargs.items()})
             return out.to(dtype)

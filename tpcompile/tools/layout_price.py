@@ -226,7 +226,7 @@ class Pricer:
             # on one host's cores), a busy rank computes at the solo rate while its peers
             # idle, the step never shorter than the shared rate allows (solo = shared: f / (1 - f))
             comm = best["busy"] - best["compute"]
-            solo = best["compute"] * self.rate / (hw.solo(self.dtype) or self.rate)
+            solo = best["compute"] * self.rate / hw.solo(self.dtype)  # solo() falls back to the shared rate
             t["bubble"] = max(0.0, (solo + comm) / (1 - frac) - best["busy"])
             sent = tokens * mf.hidden_bytes_per_token / (lay.tp if lay.sequence_parallel else 1)  # as split
             hop = collective_time("p2p", 2, sent, link["pp"])
