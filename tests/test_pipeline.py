@@ -4,17 +4,18 @@ Every case trains 3 AdamW steps (batch 4 x 16 tokens, 4 microbatches) with
 ``tpcompile.pipeline_step`` and compares, against the unsplit model in one process, the
 three losses (rel 1e-5) and every gradient of the first step (atol 1e-5 + rtol 1e-3),
 each rank its own stages' parameters under their HF names.  World 2: pp=2 with gpipe,
-1f1b and interleaved 1F1B (2 stages per rank) for llama (eager and sdpa), qwen3, gemma2
+1f1b, interleaved 1F1B (2 stages per rank) and the split-backward schedules (interleaved
+zero bubble, ZBV, DualPipeV: weight gradients in a pass of their own) for llama (eager and sdpa), qwen3, gemma2
 (alternating sliding windows, tied embeddings), mixtral (experts) and gpt2 (absolute
 positions, embeddings tied across the first and last stage); delayed init on meta equals
 the unsplit layout's; ``clip_grad_norm_`` gives the global norm; each stage's activations per
 microbatch as run are within 10% of ``dump-plan --pp``'s estimate.  World 4: pp2 x tp2,
-pp2 x dp_shard2 (FSDP2 reduce-scatters once per step, not per microbatch), with
+pp2 x dp_shard2 (FSDP2 all-gathers and reduce-scatters once per step, not per
+microbatch; ZBV), pp2 x tp2 with interleaved zero bubble (qwen3), with
 activation checkpointing, and mixtral at pp2 x ep2 (experts dispatched by all-to-all in
 every stage); pp2 x cp2 (llama, gemma2's windows and softcap) and pp2 x tp2 with sequence
 parallelism (llama eager, qwen3): the hidden state crosses at CP's slice / split over tp,
-the shape ``dump-plan --pp --cp`` prices.  Refusals: an encoder-decoder, the split-backward
-schedules, activation offloading, a plain forward / ``generate()`` / the HF Trainer's own step, a
+the shape ``dump-plan --pp --cp`` prices.  Refusals: an encoder-decoder, activation offloading, a plain forward / ``generate()`` / the HF Trainer's own step, a
 batch the microbatches do not divide.  Mixtral's load-balancing loss (output_router_logits)
 at pp=2: every layer's router logits cross the boundary with the hidden state; losses and
 gradients equal gradient accumulation over the same microbatches.
@@ -204,11 +205,12 @@ def _counting_forward(sm: torch.nn.Module, ran: dict[int, list[int]]) -> Any:
 def _refusals(rank: int, world: int) -> dict:
     attempts = {
         "encoder_decoder": lambda: tpcompile.parallelize(_t5(), pp=2),
-        "zero_bubble": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zero_bubble"),
         "offloading": lambda: tpcompile.parallelize(_build("llama"), pp=2, activation_offloading=True),
         "too_few_blocks": lambda: tpcompile.parallelize(_build("llama", layers=2), pp=2,
                                                         pp_schedule="interleaved_1f1b"),
         "bad_schedule": lambda: tpcompile.parallelize(_build("llama"), pp=2, pp_schedule="zigzag"),
+        # ZBV holds the first and the last stage on rank 0: GPT-2's tied embedding would be two FSDP2 roots' parameter
+        "tied_v": lambda: tpcompile.parallelize(_build("gpt2"), pp=2, pp_schedule="zbv"),
     }
     model = tpcompile.parallelize(_build("llama"), pp=2, pp_microbatches=4)
     attempts["forward"] = lambda: model(**_batch())
@@ -255,26 +257,32 @@ def _t5() -> torch.nn.Module:
 
 
 def _reduce_scatters(rank: int, world: int, microbatches: int) -> dict:
-    """FSDP2's reduce-scatters in one step at pp2 x dp_shard2: once per unit, whatever
-    the number of microbatches."""
+    """FSDP2's reduce-scatters and all-gathers in one step at pp2 x dp_shard2: once per
+    unit, whatever the number of microbatches (the units stay gathered across them)."""
     import torch.distributed as dist
 
     model = tpcompile.parallelize(_build("llama"), pp=2, dp_shard=2, pp_schedule="1f1b",
                                   pp_microbatches=microbatches)
     tpcompile.pipeline_step(model, _batch())  # warm-up
-    calls = [0]
-    original = dist.reduce_scatter_single  # what FSDP2 issues
+    names = ("reduce_scatter_single", "all_gather_single")  # what FSDP2 issues
+    originals = {n: getattr(dist, n) for n in names}
+    calls = dict.fromkeys(names, 0)
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(*args, **kwargs)
+    def counting(name: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return counted
 
-    dist.reduce_scatter_single = counted
+    for n in names:
+        setattr(dist, n, counting(n))
     try:
         tpcompile.pipeline_step(model, _batch())
     finally:
-        dist.reduce_scatter_single = original
-    return {"calls": calls[0], "stages": len(model.tpcompile_pipeline.stages)}
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    return {"calls": calls["reduce_scatter_single"], "gathers": calls["all_gather_single"],
+            "stages": len(model.tpcompile_pipeline.stages)}
 
 
 WORLD2 = {f"{family}_interleaved": (_exact, family, {"pp": 2, "pp_microbatches": 4}) for family in FAMILIES}
@@ -283,11 +291,18 @@ WORLD2.update({
     "llama_gpipe": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "gpipe"}),
     "llama_1f1b": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}),
     "gpt2_1f1b": (_exact, "gpt2", {"pp": 2, "pp_microbatches": 2, "pp_schedule": "1f1b"}),
+    # the split-backward schedules: weight gradients in a pass of their own, after the input gradients
+    **{f"llama_{s}": (_exact, "llama", {"pp": 2, "pp_microbatches": 4, "pp_schedule": s})
+       for s in ("zero_bubble", "zbv", "dualpipev")},
+    "gpt2_zero_bubble": (_exact, "gpt2", {"pp": 2, "pp_microbatches": 4, "pp_schedule": "zero_bubble"}),
 })
 WORLD4 = {
     "llama_pp2_tp2": (_exact, "llama", {"pp": 2, "tp": 2, "pp_microbatches": 4}),
     "gpt2_pp2_tp2": (_exact, "gpt2", {"pp": 2, "tp": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}),
     "llama_pp2_dp2": (_exact, "llama", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4}),
+    "llama_pp2_dp2_zbv": (_exact, "llama", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4, "pp_schedule": "zbv"}),
+    "qwen3_pp2_tp2_zero_bubble": (_exact, "qwen3", {"pp": 2, "tp": 2, "pp_microbatches": 4,
+                                                    "pp_schedule": "zero_bubble"}),
     "mixtral_pp2_dp2_ac": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "pp_microbatches": 4,
                                                "activation_checkpointing": True}),
     "mixtral_pp2_ep2": (_exact, "mixtral", {"pp": 2, "dp_shard": 2, "ep": 2, "pp_microbatches": 4}),
@@ -353,9 +368,10 @@ def test_pipeline_composes_with_tp_and_fsdp2(world4: CaseResults, case: str) -> 
 
 
 @pytest.mark.slow
-def test_fsdp2_reduces_once_per_step_not_per_microbatch(world4: CaseResults) -> None:
+def test_fsdp2_gathers_and_reduces_once_per_step_not_per_microbatch(world4: CaseResults) -> None:
     for two, four in zip(world4["rs2"], world4["rs4"], strict=True):
         assert two["calls"] == four["calls"] > 0, (two, four)
+        assert two["gathers"] == four["gathers"] > 0, (two, four)
 
 
 @pytest.mark.slow
@@ -381,9 +397,9 @@ def test_clip_grad_norm_is_the_global_norm(world2: CaseResults) -> None:
 @pytest.mark.slow
 def test_what_a_pipeline_cannot_take_is_refused_by_name(world2: CaseResults) -> None:
     for errors in world2["refusals"]:
-        wanted = {"encoder_decoder": "encoder", "zero_bubble": "interleaved_1f1b",
-                  "offloading": "activation_offloading",
+        wanted = {"encoder_decoder": "encoder", "offloading": "activation_offloading",
                   "too_few_blocks": "blocks", "bad_schedule": "pp_schedule", "forward": "pipeline_step",
+                  "tied_v": "tied weights",
                   "generate": "save_pretrained", "batch": "pp_microbatches", "no_labels": "labels",
                   "trainer": "pipeline_step"}
         for name, text in wanted.items():

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import TPError
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "Stage", "StagePlan", "bubble_fraction", "default_schedule",
+__all__ = ["SCHEDULES", "ScheduleSpec", "Stage", "StagePlan", "default_schedule",
            "plan_pipeline", "plan_stages", "schedule_spec", "stage_costs"]
 
 
@@ -36,25 +36,17 @@ class ScheduleSpec:
     torch_class: str
     style: str  # "single": one stage per rank; "loop" / "v": several
     fixed_virtual: int | None = None  # stages per rank the schedule requires
-    # why parallelize refuses it (None: it runs); the cost model still prices it
-    refused: str | None = None
-
-
-# the zero-bubble family splits backward: weight gradients come from autograd.grad, which
-# never runs the AccumulateGrad nodes FSDP2's reduce-scatter waits on; parallelize always
-# applies FSDP2 (one data-parallel rank included), and the gradients measured wrong
-_SPLIT_BACKWARD = ("its split backward computes weight gradients outside autograd's accumulation, which "
-                   "FSDP2 (applied by parallelize at every dp degree) does not see: the gradients came out "
-                   "wrong when measured. Use interleaved_1f1b (the default) or 1f1b")
 
 
 SCHEDULES = {s.name: s for s in (
     ScheduleSpec("gpipe", "ScheduleGPipe", "single", 1),
     ScheduleSpec("1f1b", "Schedule1F1B", "single", 1),
     ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B", "loop"),
-    ScheduleSpec("zero_bubble", "ScheduleInterleavedZeroBubble", "loop", refused=_SPLIT_BACKWARD),
-    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "v", 2, refused=_SPLIT_BACKWARD),
-    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", 2, refused=_SPLIT_BACKWARD),
+    # the zero-bubble family splits backward into input gradients (sent on at once) and
+    # weight gradients (run later, in what would be the bubble)
+    ScheduleSpec("zero_bubble", "ScheduleInterleavedZeroBubble", "loop"),
+    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "v", 2),
+    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", 2),
 )}
 
 
@@ -70,15 +62,6 @@ def default_schedule(n_blocks: int, pp: int, virtual: int, microbatches: int) ->
     if n_blocks >= pp * virtual and microbatches % pp == 0 and virtual > 1:
         return "interleaved_1f1b"
     return "1f1b"
-
-
-def bubble_fraction(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
-    """The idle share of a step: ``(pp - 1) / (v m + pp - 1)`` for the 1F1B family and
-    GPipe (a stage waits ``pp - 1`` slots of ``1 / v`` of a microbatch); zero-bubble
-    schedules fill the warm-up with weight-gradient work, leaving a third of it."""
-    v = 1 if SCHEDULES[schedule].style == "single" else virtual
-    bubble = (pp - 1) / (v * microbatches + pp - 1)
-    return bubble / 3 if schedule in ("zero_bubble", "zbv", "dualpipev") else bubble
 
 
 @dataclass
@@ -112,7 +95,14 @@ class StagePlan:
         return [s for s in self.stages if s.rank == rank]
 
     def bubble(self) -> float:
-        return bubble_fraction(self.schedule, self.pp, self.virtual, self.microbatches)
+        """The step's idle share, mean over the pp ranks: torch's action order for this
+        schedule run against the stages' forward FLOPs (backward twice that), so the fill
+        and drain and a heavier stage (a large-vocabulary head) both count
+        (:mod:`tpcompile.plan.schedule`; equal stages give ``(pp - 1) / (v M + pp - 1)``)."""
+        from .schedule import stage_idle_share
+
+        return stage_idle_share(self.schedule, self.pp, self.virtual, self.microbatches,
+                                {s.index: s.flops_per_token for s in self.stages})
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "virtual": self.virtual, "schedule": self.schedule,

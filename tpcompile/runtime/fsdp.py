@@ -56,8 +56,15 @@ def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, 
     (embeddings; final norm and head), as the unsplit model's root does — a root keeps
     its parameters gathered from forward to backward, which the head's local-vocabulary
     loss needs (it reads the head's shard past the module's output); ``PipelineStage``
-    then reduce-scatters once per step."""
+    then reduce-scatters once per step.  Under a pipeline every unit keeps its parameters
+    gathered from a microbatch's forward to the step's last backward (torchtitan's choice
+    for pp): one all-gather per step instead of one per microbatch, and the split-backward
+    schedules (zero bubble, ZBV, DualPipeV) need it — their weight-gradient pass looks the
+    stage's parameters up after the input-gradient pass, and a unit resharded in between
+    hands it the sharded tensors the graph never used (measured: those gradients lost)."""
     kwargs = _shard_kwargs(cfg, mesh, device)
+    if roots is not None:
+        kwargs["reshard_after_forward"] = False
     if experts:
         # each experts module is its own unit, sharded over efsdp only (ep already split
         # it), inside its block's unit (torchtitan's nesting). Its gradient sums every

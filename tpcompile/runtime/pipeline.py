@@ -381,12 +381,23 @@ def _tied(model: nn.Module, plan: StagePlan) -> list[TiedParameter]:
             continue
         for attr, p in mod._parameters.items():
             if p is not None:
-                holders.setdefault(id(p), []).append((f"{mname}.{attr}", plan.stages[owner].rank))
+                holders.setdefault(id(p), []).append((f"{mname}.{attr}", owner))
     out = []
     for entries in holders.values():
-        ranks = sorted({r for _, r in entries})
-        if len(ranks) > 1:
-            out.append(TiedParameter(names=[n for n, _ in entries], pp_ranks=ranks))
+        by_rank: dict[int, set[int]] = {}
+        for _, owner in entries:
+            by_rank.setdefault(plan.stages[owner].rank, set()).add(owner)
+        shared = next((sorted(st) for st in by_rank.values() if len(st) > 1), None)
+        if shared is not None:
+            # each stage module is an FSDP2 root of its own: two roots on one rank would
+            # shard one parameter twice, untying it
+            names = ", ".join(n for n, _ in entries)
+            raise TPError(f"pp_schedule={plan.schedule!r} puts stages {shared} on one rank, and they share the "
+                          f"parameter {names} (tied weights): a V-shaped schedule holds the first and the last "
+                          "stage together. Use interleaved_1f1b or zero_bubble (stages looped over the ranks), "
+                          "or untie the weights")
+        if len(by_rank) > 1:
+            out.append(TiedParameter(names=[n for n, _ in entries], pp_ranks=sorted(by_rank)))
     return out
 
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import TPError
+from ..plan.schedule import schedule_order
 from ..plan.stages import SCHEDULES, Stage, StagePlan, plan_pipeline, schedule_spec
 from ..plan.types import ParamPlan, Plan
 from .cost_params import _shard_numel
@@ -50,68 +50,6 @@ _PROBE_SEQ = 16  # tokens of the probe without --seq (p2p bytes are then given p
 
 
 # ------------------------------------------------------------------ the schedule
-
-
-def _torch_order(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[tuple[int, str]]]:
-    """Each rank's compute actions ``(stage, "F" | "B" | "I" | "W")`` in the order torch's
-    multi-stage schedule class computes them (its ``_calculate_single_rank_operations``,
-    called with the attributes its ``__init__`` sets; no stages or process group)."""
-    from torch.distributed.pipelining import schedules
-
-    cls = getattr(schedules, SCHEDULES[name].torch_class)
-    rounds = max(1, microbatches // pp)
-    state = SimpleNamespace(pp_group_size=pp, n_local_stages=virtual, _n_microbatches=microbatches,
-                            num_stages=pp * virtual, _num_stages=pp * virtual, number_of_rounds=rounds,
-                            microbatches_per_round=microbatches // rounds)
-
-    def flat(action: Any) -> list[tuple[int, str]]:
-        if action is None:
-            return []
-        if action.sub_actions:  # DualPipeV's overlapped forward + backward
-            return [a for sub in action.sub_actions for a in flat(sub)]
-        return [(action.stage_index, action.computation_type.value)]
-
-    return {r: [a for op in cls._calculate_single_rank_operations(state, r) for a in flat(op)]
-            for r in range(pp)}
-
-
-def schedule_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[
-        dict[int, list[tuple[int, str]]], str]:
-    """Each pp rank's compute actions ``(stage, kind)`` in the order it runs them, and the
-    rule they come from.
-
-    GPipe runs every forward, then every backward.  1F1B's stage ``s`` of ``P`` runs
-    ``min(M, P - s)`` forwards (torch's ``Schedule1F1B`` warm-up), then one backward and
-    one forward at a time.  The multi-stage schedules (interleaved, zero-bubble, ZBV,
-    DualPipeV) are replayed from torch's own action order; should that private method be
-    unavailable, every stage is taken to hold all ``M`` microbatches (an upper bound).
-
-    Example:
-        >>> schedule_order("1f1b", 2, 1, 3)[0][1]
-        [(1, 'F'), (1, 'B'), (1, 'F'), (1, 'B'), (1, 'F'), (1, 'B')]
-    """
-    if SCHEDULES[name].style == "single":
-        out = {}
-        for s in range(pp):
-            warm = microbatches if name == "gpipe" else min(microbatches, pp - s)
-            steady = [a for _ in range(microbatches - warm) for a in ((s, "B"), (s, "F"))]
-            out[s] = [(s, "F")] * warm + steady + [(s, "B")] * warm
-        rule = "all M" if name == "gpipe" else "min(M, pp - s) (torch Schedule1F1B's warm-up)"
-        return out, rule
-    try:
-        return _torch_order(name, pp, virtual, microbatches), f"replayed from torch {SCHEDULES[name].torch_class}"
-    except (AttributeError, TypeError, KeyError, ValueError):  # torch's private schedule IR changed
-        n = pp * virtual
-        stages = {r: [s for s in range(n) if _rank_of(name, pp, s) == r] for r in range(pp)}
-        order = {r: [(s, "F") for s in mine for _ in range(microbatches)] +
-                 [(s, "B") for s in mine for _ in range(microbatches)] for r, mine in stages.items()}
-        return order, "upper bound: all M per stage (torch's schedule order unavailable)"
-
-
-def _rank_of(name: str, pp: int, stage: int) -> int:
-    if SCHEDULES[name].style == "v":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
 
 
 def in_flight(order: dict[int, list[tuple[int, str]]], stage_bytes: dict[int, int] | None = None) -> tuple[
@@ -266,9 +204,6 @@ def estimate_pipeline(model: nn.Module, plan: Plan, *, pp: int, schedule: str | 
             notes.append(f"activation estimate unavailable: {acts['error']}")
     else:
         notes.append("activations and p2p totals need --batch and --seq")
-    refused = getattr(SCHEDULES[sp.schedule], "refused", None)
-    if refused:  # priced all the same: what the schedule would cost is still worth knowing
-        notes.append(f"parallelize refuses pp_schedule={sp.schedule!r}: {refused}")
     order, rule = schedule_order(sp.schedule, pp, sp.virtual, m)
     per_mb = {s.index: _activation_bytes(acts, stacks, s, hidden) for s in sp.stages}
     known = all(v is not None for v in per_mb.values())

@@ -33,8 +33,9 @@ profile's memory less ``headroom`` (allocator fragmentation, CUDA context, NCCL 
   (and all-reduce across replicas); what exceeds the step's compute is exposed, and of
   the rest only the profile's ``comm_overlap`` share hides (1 on GPUs; gloo on a CPU
   host computes and communicates on the same cores);
-* pipeline: the bubble ``f / (1 - f)`` of the busiest rank's time, ``f`` the schedule's
-  idle fraction (:func:`~tpcompile.plan.stages.bubble_fraction`), and the fill and
+* pipeline: the bubble ``f / (1 - f)`` of the busiest rank's time, ``f`` its idle share
+  when torch's action order for the schedule runs against each stage's time per
+  microbatch (:func:`~tpcompile.plan.schedule.simulate_stages`), and the fill and
   drain's point-to-point sends ``2 (pp x v - 1)``; steady-state sends overlap.  Where
   devices share compute (the profile's ``solo_flops``: ranks on one host's cores), a
   busy rank computes at the solo rate while its peers idle: the step is ``(solo compute

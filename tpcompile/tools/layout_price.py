@@ -219,9 +219,15 @@ class Pricer:
         t["fsdp_exposed"] = best["fsdp"]
         t["bubble"] = t["p2p"] = 0.0
         if lay.pp > 1:
-            from ..plan.stages import bubble_fraction
+            from ..plan.schedule import simulate_stages
 
-            frac = bubble_fraction(lay.pp_schedule, lay.pp, lay.pp_virtual, m)
+            # the schedule's idle share on the busiest rank: torch's action order run
+            # against each stage's time per microbatch (a heavier stage idles the others)
+            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m,
+                                   {i: sum(n[k] for k in ("compute", "tp", "cp", "ep"))
+                                    for i, n in enumerate(per_stage)})
+            busiest = max(runs.values(), key=lambda run: run.busy)
+            frac = 1 - busiest.busy / max(run.finish for run in runs.values())
             # idle f of the step: busy / (1 - f) in all.  Where devices share compute (ranks
             # on one host's cores), a busy rank computes at the solo rate while its peers
             # idle, the step never shorter than the shared rate allows (solo = shared: f / (1 - f))

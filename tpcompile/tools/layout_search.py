@@ -7,8 +7,9 @@ model admits (each refusal is counted under its reason):
 * ``tp`` divides ``gpus`` and a node, and the model plans at it (heads that do not divide
   may keep parts replicated: the per-rank bytes say what that costs);
 * ``pp`` fits the blocks (``pp x pp_virtual`` stages) and the pipeline probe admits the
-  model; schedules ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (the zero-bubble family is
-  refused by ``parallelize``) with ``pp, 2 pp, 4 pp, 8 pp`` microbatches dividing the
+  model; schedules ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and ``zero_bubble`` (2
+  stages per rank; not the V-shaped ``zbv`` / ``dualpipev``, which a model with tied
+  embeddings cannot take) with ``pp, 2 pp, 4 pp, 8 pp`` microbatches dividing the
   per-rank batch;
 * ``cp`` splits every sequence into ``2 cp`` chunks; ``ep`` divides the experts and
   ``dp_shard``; ``batch`` divides over ``dp_shard x dp_replicate``;
@@ -39,7 +40,9 @@ from .layout_price import Pricer
 
 __all__ = ["price_given", "search"]
 
-_SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
+# the V-shaped schedules (zbv, dualpipev) are left out: they hold the first and the last
+# stage on one rank, which a model with tied embeddings cannot take
+_SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2))
 _MICROBATCHES = (1, 2, 4, 8)  # x pp
 
 

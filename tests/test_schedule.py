@@ -1,0 +1,51 @@
+"""The pipeline schedule simulator (:mod:`tpcompile.plan.schedule`): single process.
+
+What it is held to, independently: the balanced-stage bubble ``(pp - 1) / (v M + pp - 1)``
+of GPipe, 1F1B and interleaved 1F1B (Narayanan et al., 2021), a timeline worked by hand
+for unequal stages, the zero-bubble family filling part of that bubble, and an order that
+cannot finish refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tpcompile import TPError
+from tpcompile.plan.schedule import idle_share, simulate, simulate_stages, stage_idle_share, timed_order
+
+
+@pytest.mark.parametrize(("name", "pp", "v", "m"), [("gpipe", 2, 1, 4), ("gpipe", 4, 1, 6), ("1f1b", 2, 1, 4),
+                                                    ("1f1b", 4, 1, 8), ("interleaved_1f1b", 2, 2, 4),
+                                                    ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 2, 3, 6)])
+def test_equal_stages_give_the_textbook_bubble(name: str, pp: int, v: int, m: int) -> None:
+    n = pp * v
+    got = stage_idle_share(name, pp, v, m, dict.fromkeys(range(n), 3.0))
+    assert got == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+
+
+def test_unequal_stages_by_hand() -> None:
+    # GPipe, 2 stages, 2 microbatches; stage 1 twice stage 0 (F 1 / 2, B 2 / 4):
+    # rank 0: F 0-1, 1-2, then B at 9-11 and 13-15; rank 1: F 1-3, 3-5, B 5-9, 9-13
+    runs = simulate(timed_order("gpipe", 2, 1, 2), forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
+                    rank_of={0: 0, 1: 1})
+    assert (runs[0].busy, runs[0].finish, runs[1].busy, runs[1].finish) == (6.0, 15.0, 12.0, 13.0)
+    assert idle_share(runs) == pytest.approx(((1 - 6 / 15) + (1 - 12 / 15)) / 2)
+    # a hop between ranks delays every crossing: 2 forward, 2 backward crossings on the critical path
+    hopped = simulate(timed_order("gpipe", 2, 1, 2), forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
+                      rank_of={0: 0, 1: 1}, hop=0.5)
+    assert hopped[0].finish == 16.0
+
+
+@pytest.mark.parametrize(("name", "m"), [("zero_bubble", 4), ("zbv", 4), ("dualpipev", 8)])
+def test_split_backward_fills_the_bubble(name: str, m: int) -> None:
+    # the weight gradients run in what would be idle: less than interleaved 1F1B's on the same stages
+    stages = dict.fromkeys(range(4), 3.0)
+    split = simulate_stages(name, 2, 2, m, stages)
+    assert 0 < idle_share(split) < stage_idle_share("interleaved_1f1b", 2, 2, m, stages)
+    assert all(run.busy == pytest.approx(3.0 * m * 2) for run in split.values())  # every action ran once
+
+
+def test_an_order_that_cannot_finish_is_refused() -> None:
+    order = {0: [[(0, "B", 0)], [(0, "F", 0)]], 1: [[(1, "F", 0)], [(1, "B", 0)]]}  # backward before its forward
+    with pytest.raises(TPError, match="cannot finish"):
+        simulate(order, forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, rank_of={0: 0, 1: 1})

@@ -1,0 +1,224 @@
+"""A pipeline schedule as it runs: each rank's actions in torch's order, and their timing.
+
+torch's schedules (``torch.distributed.pipelining``) run, on every pp rank, one list of
+compute actions — a stage's forward ``F`` of a microbatch, its backward ``B``, or, for
+the split-backward schedules, the input gradients ``I`` (sent on at once) and the weight
+gradients ``W`` (run later, where the bubble would be).  :func:`schedule_order` gives that
+list, replayed from torch's own code for the multi-stage schedules; :func:`simulate` runs
+it against the stages' times: an action starts when its rank is free and what it reads
+has arrived (the microbatch's forward from the stage before, its gradient from the stage
+after, plus a hop between ranks), so the idle time it finds is the bubble of this
+schedule on these stages — the fill and drain, and any stage heavier than the others
+(a large-vocabulary head) — not the balanced-stage formula ``(pp - 1) / (v M + pp - 1)``,
+which it reproduces for equal stages.
+
+Example:
+    >>> order = timed_order("1f1b", 2, 1, 4)
+    >>> runs = simulate(order, forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, rank_of={0: 0, 1: 1})
+    >>> round(idle_share(runs), 3)
+    0.2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from ..errors import TPError
+from .stages import SCHEDULES
+
+__all__ = ["RankRun", "idle_share", "rank_of_stage", "schedule_order", "simulate", "simulate_stages",
+           "stage_idle_share",
+           "timed_order"]
+
+Action = tuple[int, str]  # (stage, "F" | "B" | "I" | "W")
+Order = dict[int, list[Action]]  # pp rank -> its actions in the order it runs them
+
+
+def rank_of_stage(name: str, pp: int, stage: int) -> int:
+    """The pp rank running ``stage``: looped (``s % pp``) or V-shaped (``zbv``, ``dualpipev``)."""
+    if SCHEDULES[name].style == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def _torch_actions(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[Any]]:
+    """Each rank's compute actions in the order torch's multi-stage schedule class computes
+    them (its ``_calculate_single_rank_operations``, called with the attributes its
+    ``__init__`` sets; no stages or process group): torch's action objects."""
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, SCHEDULES[name].torch_class)
+    rounds = max(1, microbatches // pp)
+    state = SimpleNamespace(pp_group_size=pp, n_local_stages=virtual, _n_microbatches=microbatches,
+                            num_stages=pp * virtual, _num_stages=pp * virtual, number_of_rounds=rounds,
+                            microbatches_per_round=microbatches // rounds)
+
+    return {r: [op for op in cls._calculate_single_rank_operations(state, r) if op is not None] for r in range(pp)}
+
+
+def _parts(action: Any) -> list[Any]:
+    """A torch action's compute parts (DualPipeV's overlapped forward + backward: two)."""
+    return [p for sub in action.sub_actions for p in _parts(sub)] if action.sub_actions else [action]
+
+
+def schedule_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[Order, str]:
+    """Each pp rank's compute actions ``(stage, kind)`` in the order it runs them, and the
+    rule they come from.
+
+    GPipe runs every forward, then every backward.  1F1B's stage ``s`` of ``P`` runs
+    ``min(M, P - s)`` forwards (torch's ``Schedule1F1B`` warm-up), then one backward and
+    one forward at a time.  The multi-stage schedules (interleaved, zero-bubble, ZBV,
+    DualPipeV) are replayed from torch's own action order; should that private method be
+    unavailable, every stage runs all ``M`` forwards, then all backwards (GPipe's order:
+    an upper bound of what is held, and of the bubble).
+
+    Example:
+        >>> schedule_order("1f1b", 2, 1, 3)[0][1]
+        [(1, 'F'), (1, 'B'), (1, 'F'), (1, 'B'), (1, 'F'), (1, 'B')]
+    """
+    if SCHEDULES[name].style == "single":
+        out = {}
+        for s in range(pp):
+            warm = microbatches if name == "gpipe" else min(microbatches, pp - s)
+            steady = [a for _ in range(microbatches - warm) for a in ((s, "B"), (s, "F"))]
+            out[s] = [(s, "F")] * warm + steady + [(s, "B")] * warm
+        rule = "all M" if name == "gpipe" else "min(M, pp - s) (torch Schedule1F1B's warm-up)"
+        return out, rule
+    try:
+        actions = _torch_actions(name, pp, virtual, microbatches)
+        return ({r: [(p.stage_index, p.computation_type.value) for op in ops for p in _parts(op)]
+                 for r, ops in actions.items()}, f"replayed from torch {SCHEDULES[name].torch_class}")
+    except (AttributeError, TypeError, KeyError, ValueError):  # torch's private schedule IR changed
+        n = pp * virtual
+        stages = {r: [s for s in range(n) if rank_of_stage(name, pp, s) == r] for r in range(pp)}
+        order = {r: [(s, "F") for s in mine for _ in range(microbatches)] +
+                 [(s, "B") for s in reversed(mine) for _ in range(microbatches)] for r, mine in stages.items()}
+        return order, "upper bound: all M per stage (torch's schedule order unavailable)"
+
+
+def timed_order(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[list[tuple[int, str, int]]]]:
+    """:func:`schedule_order` with each action's microbatch, grouped as the rank runs them:
+    one action a group, DualPipeV's overlapped forward + backward two (torch's own
+    microbatch indices where it is replayed; else each stage takes them in order)."""
+    if SCHEDULES[name].style != "single":
+        try:
+            actions = _torch_actions(name, pp, virtual, microbatches)
+            return {r: [[(p.stage_index, p.computation_type.value, p.microbatch_index) for p in _parts(op)]
+                        for op in ops] for r, ops in actions.items()}
+        except (AttributeError, TypeError, KeyError, ValueError):
+            pass
+    order, _ = schedule_order(name, pp, virtual, microbatches)
+    out: dict[int, list[list[tuple[int, str, int]]]] = {}
+    for r, acts in order.items():
+        count: dict[tuple[int, str], int] = {}
+        out[r] = []
+        for stage, kind in acts:
+            out[r].append([(stage, kind, count.get((stage, kind), 0))])
+            count[(stage, kind)] = count.get((stage, kind), 0) + 1
+    return out
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One pp rank's step in :func:`simulate`: the time it computed and when it finished."""
+
+    busy: float
+    finish: float
+
+
+def _durations(stage: int, kind: str, forward: dict[int, float], backward: dict[int, float]) -> float:
+    """An action's time: a split backward's halves are the input and the weight gradients
+    (each about a forward's FLOPs); the first stage has no input gradient, so its weight
+    pass runs the whole backward (as torch's ``backward_weight_one_chunk`` does)."""
+    if kind == "F":
+        return forward[stage]
+    if kind == "B":
+        return backward[stage]
+    if stage == 0:
+        return 0.0 if kind == "I" else backward[stage]
+    return backward[stage] / 2
+
+
+def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dict[int, float],
+             backward: dict[int, float], rank_of: dict[int, int], hop: float = 0.0) -> dict[int, RankRun]:
+    """Run ``order`` (:func:`timed_order`) against the stages' times per microbatch
+    (``forward`` / ``backward`` by stage; ``hop``: a point-to-point send between ranks).
+    A forward of microbatch ``k`` reads the previous stage's forward of ``k``; a backward
+    (or input-gradient pass) its own forward and the next stage's backward or input pass
+    of ``k``; a weight pass its input pass.  Each rank runs its groups one after another,
+    each action as soon as the rank is free and its inputs are in (an overlapped group's
+    actions in whichever order their inputs arrive).  A schedule that cannot finish is a
+    ``TPError``.
+    """
+    last = max(forward)
+    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, microbatch) -> finish
+    free = dict.fromkeys(order, 0.0)
+    busy = dict.fromkeys(order, 0.0)
+
+    def arrived(stage: int, kinds: str, k: int, to: int) -> float | None:
+        """When ``stage``'s action of ``k`` (the first of ``kinds`` that ran) reaches stage ``to``."""
+        end = next((done[(stage, kd, k)] for kd in kinds if (stage, kd, k) in done), None)
+        return None if end is None else end + (hop if rank_of[stage] != rank_of[to] else 0.0)
+
+    def ready(stage: int, kind: str, k: int) -> float | None:
+        """When the inputs of this action are in (``None``: not computed yet)."""
+        if kind == "F":
+            return arrived(stage - 1, "F", k, stage) if stage > 0 else 0.0
+        if kind == "W":
+            return arrived(stage, "I", k, stage)
+        mine = arrived(stage, "F", k, stage)
+        theirs = arrived(stage + 1, "BI", k, stage) if stage < last else 0.0
+        return None if mine is None or theirs is None else max(mine, theirs)
+
+    def place(r: int, stage: int, kind: str, k: int) -> bool:
+        inputs = ready(stage, kind, k)
+        if inputs is None:
+            return False
+        took = _durations(stage, kind, forward, backward)
+        done[(stage, kind, k)] = free[r] = max(free[r], inputs) + took
+        busy[r] += took
+        return True
+
+    pending = {r: [list(group) for group in groups] for r, groups in order.items()}
+    pos = dict.fromkeys(order, 0)
+    while any(pos[r] < len(groups) for r, groups in pending.items()):
+        moved = False
+        for r, groups in pending.items():
+            while pos[r] < len(groups):
+                group = groups[pos[r]]
+                group[:] = [a for a in group if not place(r, *a)]
+                if group:
+                    break
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: groups[pos[r]] for r, groups in pending.items() if pos[r] < len(groups)}
+            raise TPError(f"pipeline schedule cannot finish: every rank waits ({stuck})")
+    return {r: RankRun(busy=busy[r], finish=free[r]) for r in order}
+
+
+def idle_share(runs: dict[int, RankRun]) -> float:
+    """The step's idle share, mean over the ranks: ``1 - busy / span`` with the span the
+    last rank's finish (every rank's step ends together, at the loss broadcast)."""
+    span = max(run.finish for run in runs.values())
+    if span <= 0:
+        return 0.0
+    return sum(1 - run.busy / span for run in runs.values()) / len(runs)
+
+
+def simulate_stages(schedule: str, pp: int, virtual: int, microbatches: int, per_microbatch: dict[int, float],
+                    hop: float = 0.0) -> dict[int, RankRun]:
+    """:func:`simulate` of ``schedule`` on stages taking ``per_microbatch[s]`` for one
+    microbatch's forward and backward (a third forward, two thirds backward)."""
+    v = 1 if SCHEDULES[schedule].style == "single" else virtual
+    rank_of = {s: rank_of_stage(schedule, pp, s) for s in range(pp * v)}
+    return simulate(timed_order(schedule, pp, v, microbatches),
+                    forward={s: t / 3 for s, t in per_microbatch.items()},
+                    backward={s: 2 * t / 3 for s, t in per_microbatch.items()}, rank_of=rank_of, hop=hop)
+
+
+def stage_idle_share(schedule: str, pp: int, virtual: int, microbatches: int, per_microbatch: dict[int, float]) -> float:
+    """The idle share of a step of ``schedule`` on these stages (:func:`idle_share`)."""
+    return idle_share(simulate_stages(schedule, pp, virtual, microbatches, per_microbatch))
