@@ -1,4 +1,5 @@
-"""Section ``pipeline``: step time, memory and the pipeline bubble of pp=2 against dp / tp.
+"""Section ``pipeline``: step time, memory and the pipeline bubble of pp=2 against dp / tp,
+and the bubble of every schedule (gpipe, 1f1b, interleaved 1F1B, zero bubble, ZBV, DualPipeV).
 
 A Llama (8 layers, hidden 384, GQA 6/2, vocab 4096, sdpa, fp32) trains on one global
 batch of 8 x 256 tokens per step at world 4 (gloo, one intra-op thread per rank, 4
@@ -10,10 +11,14 @@ into ``M = 4`` microbatches.  Layouts, each in its own four fresh processes:
 * ``dp_shard=4`` — FSDP2 over the four ranks, two sequences each (the ratio's baseline);
 * ``tp=2 x dp_shard=2`` — tensor parallel pairs, four sequences per pair;
 * ``pp=2 x dp_shard=2`` with ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` (``pp_virtual=2``:
-  four stages of two blocks, two per rank), four sequences per pipeline.
+  four stages of two blocks, two per rank), four sequences per pipeline;
+* then at world 2, pp=2 alone (the same global batch through one pipeline) with every
+  schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble`` (2 stages per rank,
+  looped), ``zbv`` and ``dualpipev`` (V-shaped): the bubble each makes.
 
 Quick mode: 4 layers, hidden 128, 64 tokens per sequence, and only ``dp_shard=4``,
-``1f1b`` and ``interleaved_1f1b`` (process start-up, not the model, sets its time).
+``1f1b`` and ``interleaved_1f1b`` at world 4, ``gpipe`` and ``zbv`` at world 2 (process
+start-up, not the model, sets its time).
 
 Every model is built on the meta device and initialised by ``parallelize(seed=0)``
 (delayed init), so the weights are the same tensors in every layout and a rank only ever
@@ -31,27 +36,27 @@ holds its shards.
   every layout).  Next to it the exact bytes of the parameters + gradients + AdamW
   state (like ``moe_ep``).  Resident memory, not an allocator count: CPU torch has none.
 * **Bubble** — ``1 - busy / wall`` per rank, averaged over the ranks, median over the
-  steps, next to ``StagePlan.bubble()`` = ``(pp - 1) / (v M + pp - 1)``.  ``wall`` is
-  ``pipeline_step`` alone, barrier to barrier (the optimizer is in neither);
-  ``busy`` is the time inside ``PipelineStage.forward_one_chunk`` and
-  ``backward_one_chunk`` (timers wrapped around torch's methods in these processes
-  only, :class:`MethodTimer`).
+  steps, next to ``StagePlan.bubble()`` (what ``dump-plan --pp`` prints: torch's action
+  order for the schedule simulated on the stages' forward FLOPs, backward twice that;
+  equal stages give ``(pp - 1) / (v M + pp - 1)``).  ``wall`` is ``pipeline_step`` alone,
+  barrier to barrier (the optimizer is in neither); ``busy`` is the time inside
+  ``PipelineStage.forward_one_chunk``, ``backward_one_chunk`` and, for the split-backward
+  schedules, ``backward_weight_one_chunk`` (timers wrapped around torch's methods in
+  these processes only, :class:`MethodTimer`).
 
   Counted busy: the stage's model forward, the last stage's loss (computed by that
   forward: the stage's output is the loss), the backward, and whatever FSDP2 runs in
-  its hooks inside a chunk — the all-gathers of a block's weights (FSDP2 reshards after
-  each microbatch's forward, so each forward and the first backward after it gather
-  again, a wait on the data-parallel peer).  Counted idle: the waits on the p2p sends
-  and receives (the bubble proper), the stages' imbalance, the interleaved runtime's
-  own unshard actions, the once-per-step gradient reduce-scatter
-  (``perform_reduce_grad``), the loss broadcast, the barrier and the schedule's Python.
-  The table splits the idle share into the reduce-scatter, the all-gathers outside
-  chunks and the rest, and shows the all-gathers inside chunks.  A second prediction
-  uses the plan's own stage FLOPs (the head makes the last stage the busiest): a step
-  lasts ``M x`` the busiest rank's work per microbatch plus ``pp - 1`` mean stages of
-  fill.  With four processes on two cores (and other jobs on the host) a rank gets a
-  fraction of a core even while it computes (the CPU share column, CPU / wall inside
-  the chunks), and a wait lasts until the peer is scheduled again.
+  its hooks inside a chunk (the first all-gather of each unit in the step: under a
+  pipeline the units stay gathered across the microbatches).  Counted idle: the waits
+  on the p2p sends and receives, the stages' imbalance, the fill and drain (the bubble
+  the simulation predicts), and beside it FSDP2's once-per-step gradient reduce-scatter
+  (``perform_reduce_grad``, priced by the cost model as exposed FSDP2 communication),
+  the runtime's own unshard actions, the loss broadcast, the barrier and the schedule's
+  Python.  The table splits the idle share into the reduce-scatter, the all-gathers
+  outside chunks and the rest, the rest against the prediction.  Every schedule is also
+  run at world 2 (pp=2 alone, one rank per core): with four processes on two cores a
+  rank gets a fraction of a core even while it computes (the CPU share column, CPU /
+  wall inside the chunks), and a wait lasts until the peer is scheduled again.
 * **Equal work** — every layout's step-0 loss (the global batch's, averaged over the
   data-parallel groups) must equal ``dp_shard=4``'s (rel 1e-4); a mismatch is a note
   and a ❌ in the table.
@@ -105,6 +110,8 @@ class Spec:
     repeats: int = 4
     timeout_s: float = 900.0
     layouts: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(LAYOUTS))
+    baseline: str = BASELINE  # the layout the others are compared with
+    pipeline_label: str = "pp=2 x dp_shard=2"
 
     def config(self) -> Any:
         from tpcompile.tools.presets import tiny_config
@@ -118,11 +125,19 @@ class Spec:
 
 
 FULL = Spec()
+# every schedule at world 2 (pp=2 alone: each rank its own core, nothing shared): the
+# bubble as the schedules make it, against the simulated prediction
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+BUBBLE = Spec(world=2, layouts={f"pp=2, {s}": {"pp": 2, "pp_schedule": s} for s in SCHEDULE_NAMES},
+              baseline="pp=2, gpipe", pipeline_label="pp=2 (world 2, one rank per core)")
 # process start-up (four ranks importing torch, transformers and tpcompile on two cores,
 # ~45 s) dominates a small layout, so quick mode also runs fewer of them
 QUICK = Spec(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=352, seq=64, warmup=1, repeats=2,
              timeout_s=600.0, layouts={k: LAYOUTS[k] for k in (BASELINE, "pp=2 x dp_shard=2, 1f1b",
                                                                 "pp=2 x dp_shard=2, interleaved_1f1b v=2")})
+QUICK_BUBBLE = Spec(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=352, seq=64, warmup=1, repeats=2,
+                    timeout_s=600.0, world=2, baseline="pp=2, gpipe", pipeline_label=BUBBLE.pipeline_label,
+                    layouts={f"pp=2, {s}": {"pp": 2, "pp_schedule": s} for s in ("gpipe", "zbv")})
 
 
 def _status(field_name: str) -> int:
@@ -141,7 +156,8 @@ def _reset_peak() -> None:
 
 class MethodTimer:
     """Wall and CPU seconds spent inside torch's pipeline-stage and FSDP2 methods, by key:
-    ``forward`` / ``backward`` (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``),
+    ``forward`` / ``backward`` (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``
+    and, for the split-backward schedules, ``backward_weight_one_chunk``),
     ``reduce`` (``perform_reduce_grad``: FSDP2's once-per-step reduce-scatter) and the
     all-gathers (``FSDPParamGroup.unshard`` + ``wait_for_unshard``), split into
     ``gather_in`` (inside a chunk: 1F1B and GPipe, through FSDP2's hooks) and
@@ -157,6 +173,7 @@ class MethodTimer:
 
         self.targets = [(_PipelineStageBase, "forward_one_chunk", "forward"),
                         (_PipelineStageBase, "backward_one_chunk", "backward"),
+                        (_PipelineStageBase, "backward_weight_one_chunk", "backward"),  # split backward's W
                         (_PipelineStageBase, "perform_reduce_grad", "reduce"),
                         (FSDPParamGroup, "unshard", "gather"), (FSDPParamGroup, "wait_for_unshard", "gather")]
         self.wall: dict[str, float] = {}
@@ -213,8 +230,9 @@ def _mean_over_world(value: torch.Tensor) -> float:
 
 
 def _plan_facts(model: torch.nn.Module) -> dict[str, Any]:
-    """What the stage plan predicts: the balanced bubble, and the stages' forward FLOPs
-    per token (their imbalance idles the cheaper ranks beyond that bubble)."""
+    """What the stage plan predicts: the bubble of torch's action order for the schedule
+    run against the stages' forward FLOPs (``StagePlan.bubble()``, as ``dump-plan --pp``
+    prints it), and the stages' blocks."""
     run = getattr(model, "tpcompile_pipeline", None)
     if run is None:
         return {"predicted": None, "blocks": [], "stage_flops": [], "stage_ranks": [], "pp_rank": None}
@@ -288,18 +306,6 @@ def _bench(rank: int, spec: Spec, name: str) -> dict[str, Any]:
             "setup_peak_mb": setup_peak / MIB, "setup_mb": setup / MIB}
 
 
-def _with_stage_costs(res: dict[int, Any], microbatches: int) -> float:
-    """The bubble the stage plan's own FLOPs predict, mean over pp ranks: a step lasts
-    ``M x`` the busiest rank's work per microbatch plus ``pp - 1`` average stages of fill,
-    and each rank idles the rest (equal stages give ``(pp - 1) / (v M + pp - 1)``)."""
-    facts = res[0]
-    pp = max(facts["stage_ranks"]) + 1
-    loads = [sum(f for f, r in zip(facts["stage_flops"], facts["stage_ranks"], strict=True) if r == rank)
-             for rank in range(pp)]
-    wall = microbatches * max(loads) + (pp - 1) * statistics.mean(facts["stage_flops"])
-    return statistics.mean(1 - microbatches * load / wall for load in loads)
-
-
 def _bubble(res: dict[int, Any], spec: Spec) -> dict[str, Any]:
     """Measured bubble and its parts: shares of ``pipeline_step``'s wall, each a median
     over steps of the mean over ranks."""
@@ -317,7 +323,6 @@ def _bubble(res: dict[int, Any], spec: Spec) -> dict[str, Any]:
     return {"measured": measured, "reduce": reduce, "gather_in": share("gather_in", ranks), "gather_out": gather_out,
             "rest": measured - reduce - gather_out, "cpu_share": cpu_share,
             "per_pp_rank": [round(1 - share("busy", [r for r in ranks if r["pp_rank"] == p]), 4) for p in range(pp)],
-            "with_stage_costs": _with_stage_costs(res, spec.microbatches),
             "sched": statistics.median(max(r["sched"][i] for r in ranks) for i in range(repeats))}
 
 
@@ -346,7 +351,7 @@ def _summary(spec: Spec, res: dict[int, Any]) -> dict[str, Any]:
 
 
 def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]) -> list[dict[str, Any]]:
-    base = summaries[BASELINE][0]
+    base = summaries[spec.baseline][0]
     layouts, bubbles = [], []
     for name, (s, _) in summaries.items():
         same = abs(s["loss0"] - base["loss0"]) <= LOSS_REL * abs(base["loss0"])
@@ -356,39 +361,39 @@ def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]
         if s["bubble"] is not None:
             b, p = s["bubble"], s["predicted"]
             bubbles.append([spec.layouts[name]["pp_schedule"], "+".join(map(str, s["blocks"])), f"{p:.3f}",
-                            f"{b['with_stage_costs']:.3f}", f"**{b['measured']:.3f}**", f"{b['measured'] / p:.2f}×",
+                            f"**{b['measured']:.3f}**", f"{b['measured'] / p:.2f}×",
                             " / ".join(f"{x:.3f}" for x in b["per_pp_rank"]), f"{b['reduce']:.3f}",
-                            f"{b['gather_out']:.3f}", f"{b['rest']:.3f}", f"{b['gather_in']:.3f}",
+                            f"{b['gather_out']:.3f}", f"{b['rest']:.3f}", f"**{b['rest'] / p:.2f}×**",
+                            f"{b['gather_in']:.3f}",
                             f"{b['cpu_share']:.2f}", f"{b['sched']:.3g} s"])
     return [
-        {"title": "layouts (same global batch per step)",
-         "header": ["layout", "step time", f"vs {BASELINE}", "CPU s/step (4 ranks)", "peak RSS per rank",
-                    f"vs {BASELINE}", "params+grads+AdamW per rank", "step-0 loss"],
+        {"title": f"layouts at world {spec.world} (same global batch per step)",
+         "header": ["layout", "step time", f"vs {spec.baseline}", f"CPU s/step ({spec.world} ranks)",
+                    "peak RSS per rank", f"vs {spec.baseline}", "params+grads+AdamW per rank", "step-0 loss"],
          "rows": layouts},
-        {"title": f"bubble at pp=2 x dp_shard=2, M={spec.microbatches} (mean over ranks, median over steps)",
-         "header": ["schedule", "blocks per stage", "predicted", "predicted with stage FLOPs", "measured",
+        {"title": f"bubble at {spec.pipeline_label}, M={spec.microbatches} (mean over ranks, median over steps)",
+         "header": ["schedule", "blocks per stage", "predicted (dump-plan --pp)", "measured",
                     "measured / predicted", "measured per pp rank", "idle: grad reduce-scatter",
                     "idle: all-gathers outside chunks", "idle: the rest (p2p waits, imbalance)",
-                    "busy: all-gathers inside chunks", "CPU share in chunks", "pipeline_step wall"],
+                    "rest / predicted", "busy: all-gathers inside chunks", "CPU share in chunks", "pipeline_step wall"],
          "rows": bubbles},
     ]
 
 
-def run(quick: bool) -> dict[str, Any]:
-    """Time every layout, then the bubbles; see the module docstring."""
-    spec = QUICK if quick else FULL
+def _measured(spec: Spec) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
+    """Rows, notes and tables of one spec's layouts."""
     summaries = {name: (_summary(spec, res), load) for name, (res, load) in _run_layouts(spec).items()}
-    base = summaries[BASELINE][0]
+    base = summaries[spec.baseline][0]
     tokens = spec.batch * spec.seq
     rows, notes = [], []
     for name, (s, load) in summaries.items():
         if abs(s["loss0"] - base["loss0"]) > LOSS_REL * abs(base["loss0"]):
-            notes.append(f"LOSS MISMATCH: {name}'s step-0 loss {s['loss0']:.6f} is not {BASELINE}'s "
+            notes.append(f"LOSS MISMATCH: {name}'s step-0 loss {s['loss0']:.6f} is not {spec.baseline}'s "
                          f"{base['loss0']:.6f} (rel {LOSS_REL:g}): the layouts do not compute the same step")
         rows.append(row(f"{name}: train step", s["steps"], unit="s/step", baseline=base["median"],
-                        note=f"{tokens / s['median']:,.0f} tok/s; slowest rank; CPU {s['cpu']:.2f} s/step (4 "
-                             f"ranks); load {load[0]:.1f} → {load[1]:.1f}", cpu_s=s["cpu"], loss0=s["loss0"],
-                        loadavg_1m=load))
+                        note=f"{tokens / s['median']:,.0f} tok/s; slowest rank; CPU {s['cpu']:.2f} s/step "
+                             f"({spec.world} ranks); load {load[0]:.1f} → {load[1]:.1f}", cpu_s=s["cpu"],
+                        loss0=s["loss0"], loadavg_1m=load))
         rows.append(row(f"{name}: peak RSS per rank", [s["peak"]], unit="MiB", baseline=base["peak"],
                         note=f"training steps, max over ranks, above imports; params+grads+AdamW "
                              f"{s['state']:.1f} MiB/rank", state_mb=s["state"], setup_peak_mb=s["setup_peak"],
@@ -398,13 +403,28 @@ def run(quick: bool) -> dict[str, Any]:
                             note=f"ratio = measured / predicted {s['predicted']:.3f}", predicted=s["predicted"],
                             blocks=s["blocks"], **s["bubble"]))
     if not notes:
-        notes.append(f"every layout's step-0 loss equals {BASELINE}'s (rel {LOSS_REL:g}): {base['loss0']:.6f}")
-    notes.append("measured bubble = 1 - busy / wall of pipeline_step, averaged over the 4 ranks, median over "
-                 "steps; busy = inside PipelineStage.forward_one_chunk + backward_one_chunk")
+        notes.append(f"world {spec.world}: every layout's step-0 loss equals {spec.baseline}'s (rel {LOSS_REL:g}): "
+                     f"{base['loss0']:.6f}")
+    return rows, notes, _tables(spec, summaries)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Time every layout at world 4, then every schedule's bubble at world 2; see the
+    module docstring."""
+    spec, sweep = (QUICK, QUICK_BUBBLE) if quick else (FULL, BUBBLE)
+    rows, notes, tables = _measured(spec)
+    more = _measured(sweep)
+    rows, notes, tables = rows + more[0], notes + more[1], tables + more[2]
+    notes.append("measured bubble = 1 - busy / wall of pipeline_step, averaged over the ranks, median over "
+                 "steps; busy = inside PipelineStage.forward_one_chunk + backward_one_chunk (+ "
+                 "backward_weight_one_chunk); predicted = StagePlan.bubble(): torch's action order simulated on "
+                 "the stages' forward FLOPs")
     result = section_result(
-        f"pipeline parallelism at world 4: Llama {spec.layers}L h{spec.hidden}, vocab {spec.vocab}, batch "
-        f"{spec.batch}×{spec.seq}, M={spec.microbatches} (fwd+bwd+AdamW, fp32, gloo, 4×1 thread)",
-        rows, ratio_of=f"{BASELINE} (bubble rows: the predicted bubble)", notes=notes,
-        config={**asdict(spec), "dtype": "float32", "backend": "gloo", "threads_per_proc": 1})
-    result["tables"] = _tables(spec, summaries)
+        f"pipeline parallelism: Llama {spec.layers}L h{spec.hidden}, vocab {spec.vocab}, batch "
+        f"{spec.batch}×{spec.seq}, M={spec.microbatches} (fwd+bwd+AdamW, fp32, gloo, 1 thread per rank): layouts "
+        f"at world {spec.world}, every schedule at world {sweep.world}",
+        rows, ratio_of=f"{BASELINE} / {sweep.baseline} (bubble rows: the predicted bubble)", notes=notes,
+        config={**asdict(spec), "sweep": asdict(sweep), "dtype": "float32", "backend": "gloo",
+                "threads_per_proc": 1})
+    result["tables"] = tables
     return result

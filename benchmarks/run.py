@@ -41,7 +41,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "state_dict_cost": ("state_dict_cost", "time and memory of model.state_dict() at tp=2"),
     "context_parallel": ("context_parallel", "saved activations and step time per rank, cp=1/2/4 at 4k and 8k"),
     "fp8": ("fp8", "FP8 vs bf16 vs fp32 at dp2 x tp2: weight all-gather bytes, memory, step time, loss curve"),
-    "pipeline": ("pipeline", "pp=2 x dp2 (gpipe, 1f1b, interleaved) vs dp4, tp2 x dp2: step time, memory, bubble"),
+    "pipeline": ("pipeline", "pp=2 x dp2 (gpipe, 1f1b, interleaved) vs dp4, tp2 x dp2: step time, memory, bubble; "
+                 "every schedule's bubble at pp=2 (world 2)"),
     "layout_rank": ("layout_rank", "layout planner vs measured steps: Spearman, top-1, memory per rank"),
     "soak": ("soak", "1,000 steps at dp2 x tp2 with a checkpoint every 100: memory, hooks, file descriptors flat"),
 }

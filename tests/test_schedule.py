@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 
 from tpcompile import TPError
-from tpcompile.plan.schedule import idle_share, simulate, simulate_stages, stage_idle_share, timed_order
+from tpcompile.plan.schedule import (
+    idle_share,
+    simulate,
+    simulate_stages,
+    stage_idle_share,
+    timed_order,
+)
 
 
 @pytest.mark.parametrize(("name", "pp", "v", "m"), [("gpipe", 2, 1, 4), ("gpipe", 4, 1, 6), ("1f1b", 2, 1, 4),

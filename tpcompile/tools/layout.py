@@ -32,7 +32,8 @@ profile's memory less ``headroom`` (allocator fragmentation, CUDA context, NCCL 
   they hide behind compute, except the root's first all-gather and last reduce-scatter
   (and all-reduce across replicas); what exceeds the step's compute is exposed, and of
   the rest only the profile's ``comm_overlap`` share hides (1 on GPUs; gloo on a CPU
-  host computes and communicates on the same cores);
+  host computes and communicates on the same cores).  Under a pipeline every unit's
+  reduction is exposed: torch's ``PipelineStage`` runs them after the last backward;
 * pipeline: the bubble ``f / (1 - f)`` of the busiest rank's time, ``f`` its idle share
   when torch's action order for the schedule runs against each stage's time per
   microbatch (:func:`~tpcompile.plan.schedule.simulate_stages`), and the fill and

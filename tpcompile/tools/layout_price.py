@@ -310,8 +310,10 @@ class Pricer:
 
     def _fsdp(self, lay: Layout, u: dict[str, float], link: dict[str, Link]) -> tuple[float, float]:
         """FSDP2 / HSDP seconds per step of a rank, and the part never hidden: the root's
-        first all-gather and last reduce-scatter (and all-reduce across replicas).  Each
-        collective's time is linear in its bytes, so the units are priced summed."""
+        first all-gather and last reduce-scatter (and all-reduce across replicas) — under a
+        pipeline every unit's reduction, run after the schedule's last backward (torch's
+        ``PipelineStage`` reduces once per step) with no compute left to hide behind.
+        Each collective's time is linear in its bytes, so the units are priced summed."""
         d, dr, ge = lay.dp_shard * lay.cp, lay.dp_replicate, lay.dp_shard * lay.cp // lay.ep
         gathers = 2 if lay.pp == 1 else 1  # pp: kept unsharded across the step's microbatches
 
@@ -320,21 +322,23 @@ class Pricer:
             return calls * base + (collective_time(op, p, 1.0, link[dim]) - base) * nbytes
 
         n, root = u["count"] + 1, u["root"]
-        total = (gathers * summed("all_gather", d, n, (u["gathered"] + root) / d, "fsdp")
-                 + summed("reduce_scatter_tensor", d, n, u["dense"] + root, "fsdp")
-                 + summed("all_reduce", dr, n, (u["dense"] + root) / d, "dp_replicate"))
+        gather = gathers * summed("all_gather", d, n, (u["gathered"] + root) / d, "fsdp")
+        reduce = (summed("reduce_scatter_tensor", d, n, u["dense"] + root, "fsdp")
+                  + summed("all_reduce", dr, n, (u["dense"] + root) / d, "dp_replicate"))
         if lay.ep > 1 and u["experts"]:  # experts: their own units over efsdp = dp_shard x cp / ep
-            total += (gathers * summed("all_gather", ge, u["count"], u["experts"] / ge, "efsdp")
-                      + summed("reduce_scatter_tensor", ge, u["count"], u["experts"], "efsdp")
-                      + summed("all_reduce", dr, u["count"], u["experts"] / ge, "dp_replicate"))
+            gather += gathers * summed("all_gather", ge, u["count"], u["experts"] / ge, "efsdp")
+            reduce += (summed("reduce_scatter_tensor", ge, u["count"], u["experts"], "efsdp")
+                       + summed("all_reduce", dr, u["count"], u["experts"] / ge, "dp_replicate"))
         elif u["experts"]:
-            total += (gathers * summed("all_gather", d, 0, u["experts"] / d, "fsdp")
-                      + summed("reduce_scatter_tensor", d, 0, u["experts"], "fsdp")
-                      + summed("all_reduce", dr, 0, u["experts"] / d, "dp_replicate"))
-        fixed = (collective_time("all_gather", d, root / d, link["fsdp"])
-                 + collective_time("reduce_scatter_tensor", d, root, link["fsdp"])
+            gather += gathers * summed("all_gather", d, 0, u["experts"] / d, "fsdp")
+            reduce += (summed("reduce_scatter_tensor", d, 0, u["experts"], "fsdp")
+                       + summed("all_reduce", dr, 0, u["experts"] / d, "dp_replicate"))
+        first = collective_time("all_gather", d, root / d, link["fsdp"])
+        if lay.pp > 1:
+            return gather + reduce, first + reduce
+        fixed = (first + collective_time("reduce_scatter_tensor", d, root, link["fsdp"])
                  + collective_time("all_reduce", dr, root / d, link["dp_replicate"]))
-        return total, fixed
+        return gather + reduce, fixed
 
     def _memory(self, lay: Layout, u: dict[str, float], numbers: list[dict[str, float]], peaks: list[int],
                 mb: int) -> dict[str, float]:
