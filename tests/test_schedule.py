@@ -32,12 +32,12 @@ def test_equal_stages_give_the_textbook_bubble(name: str, pp: int, v: int, m: in
 def test_unequal_stages_by_hand() -> None:
     # GPipe, 2 stages, 2 microbatches; stage 1 twice stage 0 (F 1 / 2, B 2 / 4):
     # rank 0: F 0-1, 1-2, then B at 9-11 and 13-15; rank 1: F 1-3, 3-5, B 5-9, 9-13
-    runs = simulate(timed_order("gpipe", 2, 1, 2), forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
+    runs = simulate(timed_order("gpipe", 2, 1, 2)[0], forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
                     rank_of={0: 0, 1: 1})
     assert (runs[0].busy, runs[0].finish, runs[1].busy, runs[1].finish) == (6.0, 15.0, 12.0, 13.0)
     assert idle_share(runs) == pytest.approx(((1 - 6 / 15) + (1 - 12 / 15)) / 2)
     # a hop between ranks delays every crossing: 2 forward, 2 backward crossings on the critical path
-    hopped = simulate(timed_order("gpipe", 2, 1, 2), forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
+    hopped = simulate(timed_order("gpipe", 2, 1, 2)[0], forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
                       rank_of={0: 0, 1: 1}, hop=0.5)
     assert hopped[0].finish == 16.0
 

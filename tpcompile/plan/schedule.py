@@ -13,7 +13,7 @@ schedule on these stages — the fill and drain, and any stage heavier than the 
 which it reproduces for equal stages.
 
 Example:
-    >>> order = timed_order("1f1b", 2, 1, 4)
+    >>> order, _ = timed_order("1f1b", 2, 1, 4)
     >>> runs = simulate(order, forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, rank_of={0: 0, 1: 1})
     >>> round(idle_share(runs), 3)
     0.2
@@ -63,61 +63,63 @@ def _parts(action: Any) -> list[Any]:
     return [p for sub in action.sub_actions for p in _parts(sub)] if action.sub_actions else [action]
 
 
-def schedule_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[Order, str]:
-    """Each pp rank's compute actions ``(stage, kind)`` in the order it runs them, and the
-    rule they come from.
-
-    GPipe runs every forward, then every backward.  1F1B's stage ``s`` of ``P`` runs
-    ``min(M, P - s)`` forwards (torch's ``Schedule1F1B`` warm-up), then one backward and
-    one forward at a time.  The multi-stage schedules (interleaved, zero-bubble, ZBV,
-    DualPipeV) are replayed from torch's own action order; should that private method be
-    unavailable, every stage runs all ``M`` forwards, then all backwards (GPipe's order:
-    an upper bound of what is held, and of the bubble).
-
-    Example:
-        >>> schedule_order("1f1b", 2, 1, 3)[0][1]
-        [(1, 'F'), (1, 'B'), (1, 'F'), (1, 'B'), (1, 'F'), (1, 'B')]
-    """
+def _rule_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[Order, str]:
+    """Each rank's ``(stage, kind)`` actions by rule, where torch's order is not replayed."""
     if SCHEDULES[name].style == "single":
         out = {}
         for s in range(pp):
             warm = microbatches if name == "gpipe" else min(microbatches, pp - s)
             steady = [a for _ in range(microbatches - warm) for a in ((s, "B"), (s, "F"))]
             out[s] = [(s, "F")] * warm + steady + [(s, "B")] * warm
-        rule = "all M" if name == "gpipe" else "min(M, pp - s) (torch Schedule1F1B's warm-up)"
-        return out, rule
-    try:
-        actions = _torch_actions(name, pp, virtual, microbatches)
-        return ({r: [(p.stage_index, p.computation_type.value) for op in ops for p in _parts(op)]
-                 for r, ops in actions.items()}, f"replayed from torch {SCHEDULES[name].torch_class}")
-    except (AttributeError, TypeError, KeyError, ValueError):  # torch's private schedule IR changed
-        n = pp * virtual
-        stages = {r: [s for s in range(n) if rank_of_stage(name, pp, s) == r] for r in range(pp)}
-        order = {r: [(s, "F") for s in mine for _ in range(microbatches)] +
-                 [(s, "B") for s in reversed(mine) for _ in range(microbatches)] for r, mine in stages.items()}
-        return order, "upper bound: all M per stage (torch's schedule order unavailable)"
+        return out, "all M" if name == "gpipe" else "min(M, pp - s) (torch Schedule1F1B's warm-up)"
+    n = pp * virtual
+    stages = {r: [s for s in range(n) if rank_of_stage(name, pp, s) == r] for r in range(pp)}
+    order = {r: [(s, "F") for s in mine for _ in range(microbatches)] +
+             [(s, "B") for s in reversed(mine) for _ in range(microbatches)] for r, mine in stages.items()}
+    return order, "upper bound: all M per stage (torch's schedule order unavailable)"
 
 
-def timed_order(name: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[list[tuple[int, str, int]]]]:
-    """:func:`schedule_order` with each action's microbatch, grouped as the rank runs them:
-    one action a group, DualPipeV's overlapped forward + backward two (torch's own
-    microbatch indices where it is replayed; else each stage takes them in order)."""
+def timed_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[
+        dict[int, list[list[tuple[int, str, int]]]], str]:
+    """Each pp rank's compute actions ``(stage, kind, microbatch)`` in the order it runs
+    them, grouped as it runs them (one action a group; DualPipeV's overlapped forward +
+    backward two), and the rule they come from.
+
+    GPipe runs every forward, then every backward.  1F1B's stage ``s`` of ``P`` runs
+    ``min(M, P - s)`` forwards (torch's ``Schedule1F1B`` warm-up), then one backward and
+    one forward at a time.  The multi-stage schedules (interleaved, zero-bubble, ZBV,
+    DualPipeV) are replayed from torch's own action order and microbatch indices; should
+    that private method be unavailable, every stage runs all ``M`` forwards, then all
+    backwards (GPipe's order: an upper bound of what is held, and of the bubble).
+    """
     if SCHEDULES[name].style != "single":
         try:
             actions = _torch_actions(name, pp, virtual, microbatches)
-            return {r: [[(p.stage_index, p.computation_type.value, p.microbatch_index) for p in _parts(op)]
-                        for op in ops] for r, ops in actions.items()}
-        except (AttributeError, TypeError, KeyError, ValueError):
+            return ({r: [[(p.stage_index, p.computation_type.value, p.microbatch_index) for p in _parts(op)]
+                         for op in ops] for r, ops in actions.items()},
+                    f"replayed from torch {SCHEDULES[name].torch_class}")
+        except (AttributeError, TypeError, KeyError, ValueError):  # torch's private schedule IR changed
             pass
-    order, _ = schedule_order(name, pp, virtual, microbatches)
+    order, rule = _rule_order(name, pp, virtual, microbatches)
     out: dict[int, list[list[tuple[int, str, int]]]] = {}
     for r, acts in order.items():
         count: dict[tuple[int, str], int] = {}
         out[r] = []
-        for stage, kind in acts:
+        for stage, kind in acts:  # each stage takes its microbatches in order
             out[r].append([(stage, kind, count.get((stage, kind), 0))])
             count[(stage, kind)] = count.get((stage, kind), 0) + 1
-    return out
+    return out, rule
+
+
+def schedule_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[Order, str]:
+    """:func:`timed_order` as each rank's flat list of ``(stage, kind)``, and its rule.
+
+    Example:
+        >>> schedule_order("1f1b", 2, 1, 3)[0][1]
+        [(1, 'F'), (1, 'B'), (1, 'F'), (1, 'B'), (1, 'F'), (1, 'B')]
+    """
+    timed, rule = timed_order(name, pp, virtual, microbatches)
+    return {r: [(s, k) for group in groups for s, k, _ in group] for r, groups in timed.items()}, rule
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class RankRun:
     finish: float
 
 
-def _durations(stage: int, kind: str, forward: dict[int, float], backward: dict[int, float]) -> float:
+def _duration(stage: int, kind: str, forward: dict[int, float], backward: dict[int, float]) -> float:
     """An action's time: a split backward's halves are the input and the weight gradients
     (each about a forward's FLOPs); the first stage has no input gradient, so its weight
     pass runs the whole backward (as torch's ``backward_weight_one_chunk`` does)."""
@@ -143,7 +145,7 @@ def _durations(stage: int, kind: str, forward: dict[int, float], backward: dict[
 
 def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dict[int, float],
              backward: dict[int, float], rank_of: dict[int, int], hop: float = 0.0) -> dict[int, RankRun]:
-    """Run ``order`` (:func:`timed_order`) against the stages' times per microbatch
+    """Run ``order`` (:func:`timed_order`'s) against the stages' times per microbatch
     (``forward`` / ``backward`` by stage; ``hop``: a point-to-point send between ranks).
     A forward of microbatch ``k`` reads the previous stage's forward of ``k``; a backward
     (or input-gradient pass) its own forward and the next stage's backward or input pass
@@ -176,7 +178,7 @@ def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dic
         inputs = ready(stage, kind, k)
         if inputs is None:
             return False
-        took = _durations(stage, kind, forward, backward)
+        took = _duration(stage, kind, forward, backward)
         done[(stage, kind, k)] = free[r] = max(free[r], inputs) + took
         busy[r] += took
         return True
@@ -214,7 +216,7 @@ def simulate_stages(schedule: str, pp: int, virtual: int, microbatches: int, per
     microbatch's forward and backward (a third forward, two thirds backward)."""
     v = 1 if SCHEDULES[schedule].style == "single" else virtual
     rank_of = {s: rank_of_stage(schedule, pp, s) for s in range(pp * v)}
-    return simulate(timed_order(schedule, pp, v, microbatches),
+    return simulate(timed_order(schedule, pp, v, microbatches)[0],
                     forward={s: t / 3 for s, t in per_microbatch.items()},
                     backward={s: 2 * t / 3 for s, t in per_microbatch.items()}, rank_of=rank_of, hop=hop)
 
