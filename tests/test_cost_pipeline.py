@@ -203,3 +203,16 @@ def test_probe_runs_at_the_microbatch_shape(llama4: tuple[nn.Module, Any]) -> No
     assert pipe["p2p"]["hidden_shape"] == [3, 8, 64]
     assert [s["in_flight"] for s in pipe["stages"]] == [2, 2]
     assert torch.float32 == getattr(torch, pipe["p2p"]["dtype"])
+
+
+def test_gradients_and_activations_peak_together_as_the_schedule_holds_them() -> None:
+    """A stage's gradients exist from its first backward on: GPipe's peak is not all M
+    microbatches plus all gradients (it runs every forward first), 1F1B's steady state
+    holds both."""
+    from tpcompile.tools.cost_pipeline import in_flight_parts
+
+    held, grads = {0: 1.0, 1: 1.0}, {0: 10.0, 1: 10.0}
+    _, _, gpipe = in_flight_parts(schedule_order("gpipe", 2, 1, 4)[0], held, grads)
+    _, _, one = in_flight_parts(schedule_order("1f1b", 2, 1, 4)[0], held, grads)
+    assert gpipe[0] == (3.0, 10.0)  # the first backward freed one microbatch and made the gradients
+    assert one[0] == (2.0, 10.0)  # warm-up's two microbatches, again in flight beside the gradients

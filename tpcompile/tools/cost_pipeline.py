@@ -44,7 +44,7 @@ from ..plan.types import ParamPlan, Plan
 from .cost_params import _shard_numel
 from .cost_render import human_bytes, table
 
-__all__ = ["block_range", "estimate_pipeline", "in_flight", "render_pipeline", "schedule_order"]
+__all__ = ["block_range", "estimate_pipeline", "in_flight", "in_flight_parts", "render_pipeline", "schedule_order"]
 
 _PROBE_SEQ = 16  # tokens of the probe without --seq (p2p bytes are then given per token)
 
@@ -52,34 +52,50 @@ _PROBE_SEQ = 16  # tokens of the probe without --seq (p2p bytes are then given p
 # ------------------------------------------------------------------ the schedule
 
 
-def in_flight(order: dict[int, list[tuple[int, str]]], stage_bytes: dict[int, int] | None = None) -> tuple[
-        dict[int, int], dict[int, int]]:
-    """The most microbatches each stage holds at once, and each rank's peak activation
-    bytes (the time-maximum of the sum over its stages) given ``stage_bytes`` per microbatch.
+def in_flight(order: dict[int, list[tuple[int, str]]], stage_bytes: dict[int, float] | None = None,
+              grad_bytes: dict[int, float] | None = None) -> tuple[dict[int, int], dict[int, float]]:
+    """The most microbatches each stage holds at once, and each rank's peak bytes (the
+    time-maximum of the sum over its stages): ``stage_bytes`` per microbatch held, plus,
+    with ``grad_bytes``, a stage's gradients from its first backward on.
 
     A microbatch is held from its forward until its backward frees it: ``B`` (full
     backward) or, when the backward is split, ``W`` (torch keeps the graph for the weight
-    gradients after the input gradients ``I``).
+    gradients after the input gradients ``I``).  A stage's weight gradients appear with its
+    first ``B`` or ``W`` and stay to the step's end: GPipe holds every microbatch before
+    any of them, 1F1B both at once in its steady state.
 
     Example:
         >>> in_flight(schedule_order("1f1b", 2, 1, 4)[0])[0]
         {0: 2, 1: 1}
     """
+    return in_flight_parts(order, stage_bytes, grad_bytes)[:2]
+
+
+def in_flight_parts(order: dict[int, list[tuple[int, str]]], stage_bytes: dict[int, float] | None = None,
+                    grad_bytes: dict[int, float] | None = None) -> tuple[
+        dict[int, int], dict[int, float], dict[int, tuple[float, float]]]:
+    """:func:`in_flight`, and each rank's peak split into ``(activations, gradients)``."""
     peaks: dict[int, int] = {}
-    rank_peak: dict[int, int] = {}
+    rank_peak: dict[int, float] = {}
+    parts: dict[int, tuple[float, float]] = {}
     for rank, actions in order.items():
         held: dict[int, int] = {}
-        best = 0
+        grads: set[int] = set()
+        best, split = 0.0, (0.0, 0.0)
         for stage, kind in actions:
             if kind == "F":
                 held[stage] = held.get(stage, 0) + 1
                 peaks[stage] = max(peaks.get(stage, 0), held[stage])
             elif kind in ("B", "W"):
                 held[stage] -= 1
+                grads.add(stage)
             if stage_bytes is not None:
-                best = max(best, sum(n * stage_bytes[s] for s, n in held.items()))
-        rank_peak[rank] = best
-    return dict(sorted(peaks.items())), rank_peak
+                acts = sum(n * stage_bytes[s] for s, n in held.items())
+                grad = sum(grad_bytes[s] for s in grads) if grad_bytes is not None else 0.0
+                if acts + grad > best:
+                    best, split = acts + grad, (acts, grad)
+        rank_peak[rank], parts[rank] = best, split
+    return dict(sorted(peaks.items())), rank_peak, parts
 
 
 # ------------------------------------------------------------------ per stage

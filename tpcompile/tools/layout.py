@@ -13,10 +13,12 @@ rest by predicted step time.
 states in the parameter dtype and a float32 step per tensor) at the plan's TP shapes
 sharded over ``dp_shard x cp`` (FSDP2); FSDP2's unsharded buffers (the root unit kept
 gathered, the unit computing and the one prefetched, one unit's gradients; under a
-pipeline torch keeps a stage's parameters and gradients unsharded across microbatches);
-the activations of the microbatches in flight for the schedule (what one sequence saves
-per block, from :func:`~tpcompile.tools.cost.estimate_activations`; with activation
-checkpointing each block's input plus one block recomputing). It must fit in the
+pipeline torch keeps a stage's parameters unsharded across microbatches, and its
+unsharded gradients from its first backward on); the activations of the microbatches in
+flight (what one sequence saves per block, from
+:func:`~tpcompile.tools.cost.estimate_activations`; with activation checkpointing each
+block's input plus one block recomputing) — under a pipeline torch's schedule order is
+replayed, and activations and gradients are taken where their sum peaks. It must fit in the
 profile's memory less ``headroom`` (allocator fragmentation, CUDA context, NCCL buffers).
 
 **Step time** = compute + communication not hidden + pipeline bubble:

@@ -112,7 +112,7 @@ class Pricer:
         if self.rate <= 0:
             raise TPError(f"hardware {hw.name!r} has no achievable {dtype} rate")
         self._stages: dict[tuple[int, int], list[_Stage] | str] = {}
-        self._peaks: dict[tuple[str, int, int, int], dict[int, int]] = {}
+        self._orders: dict[tuple[str, int, int, int], dict[int, list[tuple[int, str]]]] = {}
         self._lin: dict[tuple[int, int, bool], tuple[dict, ...]] = {}
         self._fit: dict[tuple[int, int], dict[str, Any]] = {}
         self._unit_cache: dict[tuple, dict[str, float]] = {}
@@ -141,14 +141,14 @@ class Pricer:
             self._stages[key] = [_Stage([index[b] for b in s.blocks], s.first, s.last, s.rank) for s in sp.stages]
         return self._stages[key]
 
-    def peaks(self, schedule: str, pp: int, virtual: int, m: int) -> dict[int, int]:
-        """Microbatches each stage holds at its peak, replayed from torch's schedule order."""
+    def order(self, schedule: str, pp: int, virtual: int, m: int) -> dict[int, list[tuple[int, str]]]:
+        """Each pp rank's actions in torch's schedule order (cached)."""
         key = (schedule, pp, virtual, m)
-        if key not in self._peaks:
-            from .cost_pipeline import in_flight, schedule_order
+        if key not in self._orders:
+            from ..plan.schedule import schedule_order
 
-            self._peaks[key] = in_flight(schedule_order(schedule, pp, virtual, m)[0])[0]
-        return self._peaks[key]
+            self._orders[key] = schedule_order(schedule, pp, virtual, m)[0]
+        return self._orders[key]
 
     def _tp_lin(self, tp: int, world: int, world_crosses: bool) -> tuple[dict, ...]:
         key = (tp, world, world_crosses)
@@ -199,7 +199,7 @@ class Pricer:
         ranks: dict[int, list[dict[str, float]]] = {}
         for s, numbers in zip(stages, per_stage, strict=True):
             ranks.setdefault(s.rank, []).append(numbers)
-        peaks = self.peaks(lay.pp_schedule, lay.pp, lay.pp_virtual, m) if lay.pp > 1 else {0: 1}
+        order = self.order(lay.pp_schedule, lay.pp, lay.pp_virtual, m) if lay.pp > 1 else None
         best: dict[str, Any] | None = None
         worst_mem: dict[str, float] | None = None
         for r, mine in ranks.items():
@@ -209,7 +209,7 @@ class Pricer:
             fsdp_total, fsdp_fixed = self._fsdp(lay, units, link)
             rest = fsdp_total - fsdp_fixed  # what prefetching may hide behind compute, as far as the hardware overlaps
             exposed = fsdp_total - hw.comm_overlap * min(rest, busy["compute"])
-            mem = self._memory(lay, units, [per_stage[i] for i in idx], [peaks.get(i, 1) for i in idx], mb)
+            mem = self._memory(lay, units, f, {i: per_stage[i] for i in idx}, stages, order, r, mb)
             if best is None or sum(busy.values()) + exposed > best["busy"] + best["fsdp"]:
                 best = {"busy": sum(busy.values()), "fsdp": exposed, **busy}
             if worst_mem is None or mem["total"] > worst_mem["total"]:
@@ -340,22 +340,36 @@ class Pricer:
                  + collective_time("all_reduce", dr, root / d, link["dp_replicate"]))
         return gather + reduce, fixed
 
-    def _memory(self, lay: Layout, u: dict[str, float], numbers: list[dict[str, float]], peaks: list[int],
+    def _memory(self, lay: Layout, u: dict[str, float], f: TPFacts, numbers: dict[int, dict[str, float]],
+                stages: list[_Stage], order: dict[int, list[tuple[int, str]]] | None, rank: int,
                 mb: int) -> dict[str, float]:
         """Peak bytes of a rank: sharded parameters, gradients and AdamW, FSDP2's unsharded
-        buffers, activations of the microbatches in flight."""
+        buffers, activations of the microbatches in flight.  Under a pipeline torch keeps a
+        stage's parameters unsharded across the microbatches, and its gradients (unsharded,
+        or the gradients themselves without FSDP2 sharding) from its first backward on: the
+        activations and those gradients peak together where the schedule's order (replayed)
+        holds the most of both, not each at its own peak (GPipe runs every forward first)."""
+        from .cost_pipeline import in_flight_parts
+
         d = lay.dp_shard * lay.cp
         whole = u["dense"] + u["experts"] * lay.ep + u["root"]  # this rank's TP-local bytes
         shard = whole / d
-        if d == 1:
-            buffers = 0.0
-        elif lay.pp == 1:  # root kept gathered, a unit and the prefetched next, one unit's gradients
-            buffers = u["root"] + u["max_gathered"] + u["second_gathered"] + u["max_grads"]
-        else:  # torch keeps a stage's parameters and gradients unsharded across microbatches
-            buffers = u["gathered"] + u["dense"] + 2 * (u["experts"] + u["root"])
-        held = sum(n["held"] * k for n, k in zip(numbers, peaks, strict=True)) * mb
-        live = max(n["live"] for n in numbers) * mb
-        out = {"parameters": shard, "gradients": shard, "optimizer": 2 * shard + 4 * u["tensors"],
+        live = max(n["live"] for n in numbers.values()) * mb
+        gradients = shard
+        if order is None:
+            buffers = 0.0 if d == 1 else u["root"] + u["max_gathered"] + u["second_gathered"] + u["max_grads"]
+            held = sum(n["held"] for n in numbers.values()) * mb  # root kept gathered, a unit and the next
+        else:
+            grads = {i: sum(f.dense_bytes[b] + f.expert_bytes[b] / lay.ep for b in stages[i].blocks)
+                     + (f.pre_bytes if stages[i].first else 0.0) + (f.post_bytes if stages[i].last else 0.0)
+                     for i in numbers}
+            _, _, parts = in_flight_parts({rank: order[rank]}, {i: n["held"] * mb for i, n in numbers.items()},
+                                          grads)
+            held, unsharded = parts[rank]
+            buffers = unsharded + (u["gathered"] + u["experts"] + u["root"] if d > 1 else 0.0)
+            if d == 1:
+                gradients = 0.0  # the replayed gradients are the gradients themselves
+        out = {"parameters": shard, "gradients": gradients, "optimizer": 2 * shard + 4 * u["tensors"],
                "fsdp_buffers": buffers, "activations": held + live}
         out["total"] = sum(out.values())
         return out
