@@ -129,7 +129,8 @@ FULL = Spec()
 # bubble as the schedules make it, against the simulated prediction
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 BUBBLE = Spec(world=2, layouts={f"pp=2, {s}": {"pp": 2, "pp_schedule": s} for s in SCHEDULE_NAMES},
-              baseline="pp=2, gpipe", pipeline_label="pp=2 (world 2, one rank per core)")
+              baseline="pp=2, gpipe", pipeline_label="pp=2 (world 2, one rank per core)",
+              repeats=8)  # a 1 s step: more of them steady the median against the host's noise
 # process start-up (four ranks importing torch, transformers and tpcompile on two cores,
 # ~45 s) dominates a small layout, so quick mode also runs fewer of them
 QUICK = Spec(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=352, seq=64, warmup=1, repeats=2,
