@@ -351,7 +351,37 @@ def _summary(spec: Spec, res: dict[int, Any]) -> dict[str, Any]:
             "blocks": res[0]["blocks"], "bubble": None if predicted is None else _bubble(res, spec)}
 
 
-def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]) -> list[dict[str, Any]]:
+def _priced(spec: Spec) -> dict[str, float]:
+    """The schedule idle share the cost model prices for each layout of a pp-only spec:
+    the stages ``parallelize`` cuts, their forward FLOPs at the run's sequence times 3
+    (forward + backward) at this host's calibrated fp32 rate (``calibrate(procs=world,
+    threads=1)``), each hand-off at the calibrated p2p link's time for one microbatch's
+    hidden state, torch's action order simulated on them."""
+    from transformers import AutoModelForCausalLM
+
+    from tpcompile.plan.schedule import idle_share, simulate_stages
+    from tpcompile.plan.stages import plan_pipeline
+    from tpcompile.tools.calibration import calibrate
+    from tpcompile.tools.layout_price import collective_time
+
+    profile = calibrate(procs=spec.world, threads=1, name=f"this host, {spec.world} ranks")
+    rate = profile.achievable("fp32")
+    tokens = spec.batch // spec.microbatches * spec.seq  # one pipeline: the whole batch
+    hop = collective_time("p2p", 2, tokens * spec.hidden * 4, profile.link(inter_node=False))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.config())
+    blocks = [f"model.layers.{i}" for i in range(spec.layers)]
+    out = {}
+    for name, kw in spec.layouts.items():
+        sp, _ = plan_pipeline(model, blocks, pp=kw["pp"], schedule=kw["pp_schedule"], virtual=kw.get("pp_virtual", 2),
+                              microbatches=spec.microbatches, seq=spec.seq)
+        times = {s.index: 3 * s.flops_per_token * tokens / rate for s in sp.stages}
+        out[name] = idle_share(simulate_stages(sp.schedule, sp.pp, sp.virtual, spec.microbatches, times, hop=hop))
+    return out
+
+
+def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]],
+            priced: dict[str, float] | None = None) -> list[dict[str, Any]]:
     base = summaries[spec.baseline][0]
     layouts, bubbles = [], []
     for name, (s, _) in summaries.items():
@@ -367,13 +397,17 @@ def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]
                             f"{b['gather_out']:.3f}", f"{b['rest']:.3f}", f"**{b['rest'] / p:.2f}×**",
                             f"{b['gather_in']:.3f}",
                             f"{b['cpu_share']:.2f}", f"{b['sched']:.3g} s"])
+            if priced is not None:
+                bubbles[-1][3:3] = [f"{priced[name]:.3f}", f"**{b['rest'] / priced[name]:.2f}×**"]
     return [
         {"title": f"layouts at world {spec.world} (same global batch per step)",
          "header": ["layout", "step time", f"vs {spec.baseline}", f"CPU s/step ({spec.world} ranks)",
                     "peak RSS per rank", f"vs {spec.baseline}", "params+grads+AdamW per rank", "step-0 loss"],
          "rows": layouts},
         {"title": f"bubble at {spec.pipeline_label}, M={spec.microbatches} (mean over ranks, median over steps)",
-         "header": ["schedule", "blocks per stage", "predicted (dump-plan --pp)", "measured",
+         "header": ["schedule", "blocks per stage", "predicted (dump-plan --pp)",
+                    *(["priced with hand-offs (calibrated)", "rest / priced"] if priced is not None else []),
+                    "measured",
                     "measured / predicted", "measured per pp rank", "idle: grad reduce-scatter",
                     "idle: all-gathers outside chunks", "idle: the rest (p2p waits, imbalance)",
                     "rest / predicted", "busy: all-gathers inside chunks", "CPU share in chunks", "pipeline_step wall"],
@@ -381,8 +415,10 @@ def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]
     ]
 
 
-def _measured(spec: Spec) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
-    """Rows, notes and tables of one spec's layouts."""
+def _measured(spec: Spec, price: bool = False) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
+    """Rows, notes and tables of one spec's layouts (``price``: with the cost model's
+    calibrated schedule idle, :func:`_priced`)."""
+    priced = _priced(spec) if price else None
     summaries = {name: (_summary(spec, res), load) for name, (res, load) in _run_layouts(spec).items()}
     base = summaries[spec.baseline][0]
     tokens = spec.batch * spec.seq
@@ -406,7 +442,7 @@ def _measured(spec: Spec) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
     if not notes:
         notes.append(f"world {spec.world}: every layout's step-0 loss equals {spec.baseline}'s (rel {LOSS_REL:g}): "
                      f"{base['loss0']:.6f}")
-    return rows, notes, _tables(spec, summaries)
+    return rows, notes, _tables(spec, summaries, priced)
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -414,7 +450,7 @@ def run(quick: bool) -> dict[str, Any]:
     module docstring."""
     spec, sweep = (QUICK, QUICK_BUBBLE) if quick else (FULL, BUBBLE)
     rows, notes, tables = _measured(spec)
-    more = _measured(sweep)
+    more = _measured(sweep, price=True)
     rows, notes, tables = rows + more[0], notes + more[1], tables + more[2]
     notes.append("measured bubble = 1 - busy / wall of pipeline_step, averaged over the ranks, median over "
                  "steps; busy = inside PipelineStage.forward_one_chunk + backward_one_chunk (+ "

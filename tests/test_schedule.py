@@ -36,10 +36,13 @@ def test_unequal_stages_by_hand() -> None:
                     rank_of={0: 0, 1: 1})
     assert (runs[0].busy, runs[0].finish, runs[1].busy, runs[1].finish) == (6.0, 15.0, 12.0, 13.0)
     assert idle_share(runs) == pytest.approx(((1 - 6 / 15) + (1 - 12 / 15)) / 2)
-    # a hop between ranks delays every crossing: 2 forward, 2 backward crossings on the critical path
+    # a transfer costs its receiver a hop once both sides are there: rank 1's forwards start
+    # at 1.5 and 4.0 (not 1 and 3), its backwards run 6-10 and 10-14; rank 0 receives
+    # their gradients at 10.5 and 14.5
     hopped = simulate(timed_order("gpipe", 2, 1, 2)[0], forward={0: 1.0, 1: 2.0}, backward={0: 2.0, 1: 4.0},
                       rank_of={0: 0, 1: 1}, hop=0.5)
-    assert hopped[0].finish == 16.0
+    assert (hopped[1].finish, hopped[0].finish) == (14.0, 16.5)
+    assert (hopped[0].busy, hopped[1].busy) == (6.0, 12.0)  # the hops are idle time
 
 
 @pytest.mark.parametrize(("name", "m"), [("zero_bubble", 4), ("zbv", 4), ("dualpipev", 8)])

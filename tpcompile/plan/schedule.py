@@ -146,40 +146,48 @@ def _duration(stage: int, kind: str, forward: dict[int, float], backward: dict[i
 def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dict[int, float],
              backward: dict[int, float], rank_of: dict[int, int], hop: float = 0.0) -> dict[int, RankRun]:
     """Run ``order`` (:func:`timed_order`'s) against the stages' times per microbatch
-    (``forward`` / ``backward`` by stage; ``hop``: a point-to-point send between ranks).
-    A forward of microbatch ``k`` reads the previous stage's forward of ``k``; a backward
-    (or input-gradient pass) its own forward and the next stage's backward or input pass
-    of ``k``; a weight pass its input pass.  Each rank runs its groups one after another,
-    each action as soon as the rank is free and its inputs are in (an overlapped group's
-    actions in whichever order their inputs arrive).  A schedule that cannot finish is a
-    ``TPError``.
+    (``forward`` / ``backward`` by stage; ``hop``: one point-to-point transfer between
+    ranks).  A forward of microbatch ``k`` reads the previous stage's forward of ``k``; a
+    backward (or input-gradient pass) its own forward and the next stage's backward or
+    input pass of ``k``; a weight pass its input pass.  Each rank runs its groups one after
+    another, each action as soon as the rank is free and its inputs are in (an overlapped
+    group's actions in whichever order their inputs arrive); an input from another rank
+    costs the receiver a ``hop`` once both sides are there (the transfer completes when
+    the receive is posted: a hidden state exceeds a socket's buffer), idle time, not busy.
+    A schedule that cannot finish is a ``TPError``.
     """
     last = max(forward)
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, microbatch) -> finish
     free = dict.fromkeys(order, 0.0)
     busy = dict.fromkeys(order, 0.0)
 
-    def arrived(stage: int, kinds: str, k: int, to: int) -> float | None:
-        """When ``stage``'s action of ``k`` (the first of ``kinds`` that ran) reaches stage ``to``."""
-        end = next((done[(stage, kd, k)] for kd in kinds if (stage, kd, k) in done), None)
-        return None if end is None else end + (hop if rank_of[stage] != rank_of[to] else 0.0)
+    def finished(stage: int, kinds: str, k: int) -> float | None:
+        """When ``stage``'s action of ``k`` (the first of ``kinds`` that ran) finished."""
+        return next((done[(stage, kd, k)] for kd in kinds if (stage, kd, k) in done), None)
 
-    def ready(stage: int, kind: str, k: int) -> float | None:
-        """When the inputs of this action are in (``None``: not computed yet)."""
+    def ready(r: int, stage: int, kind: str, k: int) -> float | None:
+        """When this action can start on rank ``r`` (``None``: an input is not computed yet)."""
         if kind == "F":
-            return arrived(stage - 1, "F", k, stage) if stage > 0 else 0.0
-        if kind == "W":
-            return arrived(stage, "I", k, stage)
-        mine = arrived(stage, "F", k, stage)
-        theirs = arrived(stage + 1, "BI", k, stage) if stage < last else 0.0
-        return None if mine is None or theirs is None else max(mine, theirs)
+            needs = [(stage - 1, "F")] if stage > 0 else []
+        elif kind == "W":
+            needs = [(stage, "I")]
+        else:
+            needs = [(stage, "F")] + ([(stage + 1, "BI")] if stage < last else [])
+        start = free[r]
+        for s, kinds in needs:
+            end = finished(s, kinds, k)
+            if end is None:
+                return None
+            start = max(start, end)
+        far = sum(rank_of[s] != rank_of[stage] for s, _ in needs)
+        return start + far * hop
 
     def place(r: int, stage: int, kind: str, k: int) -> bool:
-        inputs = ready(stage, kind, k)
-        if inputs is None:
+        start = ready(r, stage, kind, k)
+        if start is None:
             return False
         took = _duration(stage, kind, forward, backward)
-        done[(stage, kind, k)] = free[r] = max(free[r], inputs) + took
+        done[(stage, kind, k)] = free[r] = start + took
         busy[r] += took
         return True
 

@@ -38,8 +38,9 @@ profile's memory less ``headroom`` (allocator fragmentation, CUDA context, NCCL 
   reduction is exposed: torch's ``PipelineStage`` runs them after the last backward;
 * pipeline: the bubble ``f / (1 - f)`` of the busiest rank's time, ``f`` its idle share
   when torch's action order for the schedule runs against each stage's time per
-  microbatch (:func:`~tpcompile.plan.schedule.simulate_stages`), and the fill and
-  drain's point-to-point sends ``2 (pp x v - 1)``; steady-state sends overlap.  Where
+  microbatch (:func:`~tpcompile.plan.schedule.simulate_stages`), and the point-to-point
+  hand-offs: what the same order lasts longer when each transfer costs its receiver the
+  p2p link's time for the hidden state.  Where
   devices share compute (the profile's ``solo_flops``: ranks on one host's cores), a
   busy rank computes at the solo rate while its peers idle: the step is ``(solo compute
   + exposed comm) / (1 - f)``, never less than the busy time at the shared rate;

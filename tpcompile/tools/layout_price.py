@@ -223,11 +223,11 @@ class Pricer:
 
             # the schedule's idle share on the busiest rank: torch's action order run
             # against each stage's time per microbatch (a heavier stage idles the others)
-            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m,
-                                   {i: sum(n[k] for k in ("compute", "tp", "cp", "ep"))
-                                    for i, n in enumerate(per_stage)})
+            times = {i: sum(n[k] for k in ("compute", "tp", "cp", "ep")) for i, n in enumerate(per_stage)}
+            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, times)
             busiest = max(runs.values(), key=lambda run: run.busy)
-            frac = 1 - busiest.busy / max(run.finish for run in runs.values())
+            span = max(run.finish for run in runs.values())
+            frac = 1 - busiest.busy / span
             # idle f of the step: busy / (1 - f) in all.  Where devices share compute (ranks
             # on one host's cores), a busy rank computes at the solo rate while its peers
             # idle, the step never shorter than the shared rate allows (solo = shared: f / (1 - f))
@@ -236,7 +236,10 @@ class Pricer:
             t["bubble"] = max(0.0, (solo + comm) / (1 - frac) - best["busy"])
             sent = tokens * mf.hidden_bytes_per_token / (lay.tp if lay.sequence_parallel else 1)  # as split
             hop = collective_time("p2p", 2, sent, link["pp"])
-            t["p2p"] = 2 * (lay.pp * lay.pp_virtual - 1) * hop
+            # every hand-off the schedule makes, received as the receiver gets to it: what
+            # the same order lasts longer with each transfer taking a hop
+            hopped = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, times, hop=hop)
+            t["p2p"] = max(run.finish for run in hopped.values()) - span
         t["total"] = sum(t.values())
         model_flops = 3 * mf.model_flops_per_token * self.batch * mf.seq
         peak = hw.peak(self.dtype)
