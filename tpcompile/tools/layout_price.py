@@ -113,6 +113,8 @@ class Pricer:
             raise TPError(f"hardware {hw.name!r} has no achievable {dtype} rate")
         self._stages: dict[tuple[int, int], list[_Stage] | str] = {}
         self._orders: dict[tuple[str, int, int, int], dict[int, list[tuple[int, str]]]] = {}
+        self._sims: dict[tuple, tuple[float, float]] = {}
+        self._peaks: dict[tuple, tuple[float, float]] = {}
         self._lin: dict[tuple[int, int, bool], tuple[dict, ...]] = {}
         self._fit: dict[tuple[int, int], dict[str, Any]] = {}
         self._unit_cache: dict[tuple, dict[str, float]] = {}
@@ -140,6 +142,23 @@ class Pricer:
             index = {b: i for i, b in enumerate(mf.blocks)}
             self._stages[key] = [_Stage([index[b] for b in s.blocks], s.first, s.last, s.rank) for s in sp.stages]
         return self._stages[key]
+
+    def _simulated(self, lay: Layout, m: int, times: dict[int, float], hop: float) -> tuple[float, float]:
+        """The busiest rank's busy time and the span of ``lay``'s schedule on these stage
+        times (:func:`~tpcompile.plan.schedule.simulate_stages`).  A search prices
+        thousands of pipelines whose stages differ mostly in scale: the simulation runs on
+        the times relative to the slowest stage, rounded to 1%, and is cached (a long
+        schedule is tens of thousands of actions)."""
+        from ..plan.schedule import simulate_stages
+
+        unit = max(times.values()) or 1.0
+        rel = tuple(round(t / unit, 2) for t in times.values())
+        key = (lay.pp_schedule, lay.pp, lay.pp_virtual, m, rel, round(hop / unit, 3))
+        if key not in self._sims:
+            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, dict(enumerate(rel)), hop=key[-1])
+            self._sims[key] = (max(r.busy for r in runs.values()), max(r.finish for r in runs.values()))
+        busy, span = self._sims[key]
+        return busy * unit, span * unit
 
     def order(self, schedule: str, pp: int, virtual: int, m: int) -> dict[int, list[tuple[int, str]]]:
         """Each pp rank's actions in torch's schedule order (cached)."""
@@ -219,15 +238,11 @@ class Pricer:
         t["fsdp_exposed"] = best["fsdp"]
         t["bubble"] = t["p2p"] = 0.0
         if lay.pp > 1:
-            from ..plan.schedule import simulate_stages
-
             # the schedule's idle share on the busiest rank: torch's action order run
             # against each stage's time per microbatch (a heavier stage idles the others)
             times = {i: sum(n[k] for k in ("compute", "tp", "cp", "ep")) for i, n in enumerate(per_stage)}
-            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, times)
-            busiest = max(runs.values(), key=lambda run: run.busy)
-            span = max(run.finish for run in runs.values())
-            frac = 1 - busiest.busy / span
+            busy_max, span = self._simulated(lay, m, times, 0.0)
+            frac = 1 - busy_max / span
             # idle f of the step: busy / (1 - f) in all.  Where devices share compute (ranks
             # on one host's cores), a busy rank computes at the solo rate while its peers
             # idle, the step never shorter than the shared rate allows (solo = shared: f / (1 - f))
@@ -238,8 +253,7 @@ class Pricer:
             hop = collective_time("p2p", 2, sent, link["pp"])
             # every hand-off the schedule makes, received as the receiver gets to it: what
             # the same order lasts longer with each transfer taking a hop
-            hopped = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, times, hop=hop)
-            t["p2p"] = max(run.finish for run in hopped.values()) - span
+            t["p2p"] = self._simulated(lay, m, times, hop)[1] - span
         t["total"] = sum(t.values())
         model_flops = 3 * mf.model_flops_per_token * self.batch * mf.seq
         peak = hw.peak(self.dtype)
@@ -366,9 +380,14 @@ class Pricer:
             grads = {i: sum(f.dense_bytes[b] + f.expert_bytes[b] / lay.ep for b in stages[i].blocks)
                      + (f.pre_bytes if stages[i].first else 0.0) + (f.post_bytes if stages[i].last else 0.0)
                      for i in numbers}
-            _, _, parts = in_flight_parts({rank: order[rank]}, {i: n["held"] * mb for i, n in numbers.items()},
-                                          grads)
-            held, unsharded = parts[rank]
+            acts = {i: n["held"] * mb for i, n in numbers.items()}
+            unit = max(*acts.values(), *grads.values()) or 1.0  # cached on 0.1%-rounded relative bytes
+            key = (id(order), rank, tuple(round(v / unit, 3) for v in acts.values()),
+                   tuple(round(v / unit, 3) for v in grads.values()))
+            if key not in self._peaks:
+                rel = ({i: round(v / unit, 3) for i, v in acts.items()}, {i: round(v / unit, 3) for i, v in grads.items()})
+                self._peaks[key] = in_flight_parts({rank: order[rank]}, *rel)[2][rank]
+            held, unsharded = (x * unit for x in self._peaks[key])
             buffers = unsharded + (u["gathered"] + u["experts"] + u["root"] if d > 1 else 0.0)
             if d == 1:
                 gradients = 0.0  # the replayed gradients are the gradients themselves
