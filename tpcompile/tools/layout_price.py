@@ -153,7 +153,9 @@ class Pricer:
 
         unit = max(times.values()) or 1.0
         rel = tuple(round(t / unit, 2) for t in times.values())
-        key = (lay.pp_schedule, lay.pp, lay.pp_virtual, m, rel, round(hop / unit, 3))
+        # the hop to 2 significant digits: on fast links it is a tiny share of a stage, yet a
+        # long schedule makes thousands of hand-offs (rounding it to 0.1% would drop it)
+        key = (lay.pp_schedule, lay.pp, lay.pp_virtual, m, rel, float(f"{hop / unit:.2g}"))
         if key not in self._sims:
             runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, dict(enumerate(rel)), hop=key[-1])
             self._sims[key] = (max(r.busy for r in runs.values()), max(r.finish for r in runs.values()))
