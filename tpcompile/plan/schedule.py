@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
@@ -79,6 +80,7 @@ def _rule_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[Or
     return order, "upper bound: all M per stage (torch's schedule order unavailable)"
 
 
+@lru_cache(maxsize=256)  # a layout search asks for the same few schedules thousands of times
 def timed_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[
         dict[int, list[list[tuple[int, str, int]]]], str]:
     """Each pp rank's compute actions ``(stage, kind, microbatch)`` in the order it runs
@@ -90,7 +92,8 @@ def timed_order(name: str, pp: int, virtual: int, microbatches: int) -> tuple[
     one forward at a time.  The multi-stage schedules (interleaved, zero-bubble, ZBV,
     DualPipeV) are replayed from torch's own action order and microbatch indices; should
     that private method be unavailable, every stage runs all ``M`` forwards, then all
-    backwards (GPipe's order: an upper bound of what is held, and of the bubble).
+    backwards (GPipe's order: an upper bound of what is held, and of the bubble).  The
+    answer is cached: read it, do not change it.
     """
     if SCHEDULES[name].style != "single":
         try:
@@ -143,70 +146,110 @@ def _duration(stage: int, kind: str, forward: dict[int, float], backward: dict[i
     return backward[stage] / 2
 
 
+@dataclass(frozen=True)
+class _Graph:
+    """A schedule's actions as a dependency graph, independent of the stages' times: the
+    actions in an order where every input comes first, each with what it waits on (the
+    rank's previous action and its inputs) and how many of those cross ranks."""
+
+    actions: tuple[tuple[int, str, int], ...]  # (stage, kind, microbatch), in dependency order
+    waits: tuple[tuple[int, ...], ...]  # per action: indices (into ``actions``) it starts after
+    far: tuple[int, ...]  # per action: inputs that come from another rank (a hop each)
+    ranks: dict[int, tuple[int, ...]]  # rank -> indices of its actions
+    work: dict[int, dict[tuple[int, str], int]]  # rank -> how many actions of each (stage, kind) it runs
+
+
+def _graph(order: dict[int, list[list[tuple[int, str, int]]]], rank_of: dict[int, int]) -> _Graph:
+    """The dependency graph of ``order`` (see :func:`simulate` for what reads what).  Found
+    in one pass driven by what is computed: a rank runs until an input is missing, then
+    waits on the action that computes it (``O(A)`` for ``A`` actions, not a sweep of every
+    rank per action).  A schedule that cannot finish is a ``TPError``."""
+    last = max(rank_of)
+    index: dict[tuple[int, str, int], int] = {}
+    actions: list[tuple[int, str, int]] = []
+    waits: list[tuple[int, ...]] = []
+    far: list[int] = []
+    mine: dict[int, list[int]] = {r: [] for r in order}
+    flat = {r: [a for group in groups for a in group] for r, groups in order.items()}
+    pos = dict.fromkeys(order, 0)
+    waiting: dict[tuple[int, int], list[int]] = {}  # (stage, microbatch) -> ranks waiting on it
+    todo = list(order)
+    while todo:
+        r = todo.pop()
+        acts = flat[r]
+        while pos[r] < len(acts):
+            stage, kind, k = acts[pos[r]]
+            if kind == "F":
+                needs = ((stage - 1, "F"),) if stage > 0 else ()
+            elif kind == "W":
+                needs = ((stage, "I"),)
+            else:
+                needs = ((stage, "F"), (stage + 1, "BI")) if stage < last else ((stage, "F"),)
+            found: list[int] = [mine[r][-1]] if mine[r] else []
+            hops, missing = 0, None
+            for s_, kinds in needs:
+                i = next((index[(s_, kd, k)] for kd in kinds if (s_, kd, k) in index), None)
+                if i is None:
+                    missing = (s_, k)
+                    break
+                found.append(i)
+                hops += rank_of[s_] != rank_of[stage]
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            index[(stage, kind, k)] = len(actions)
+            mine[r].append(len(actions))
+            actions.append((stage, kind, k))
+            waits.append(tuple(found))
+            far.append(hops)
+            pos[r] += 1
+            todo.extend(waiting.pop((stage, k), ()))
+    stuck = {r: flat[r][pos[r]] for r in order if pos[r] < len(flat[r])}
+    if stuck:
+        raise TPError(f"pipeline schedule cannot finish: every rank waits ({stuck})")
+    work: dict[int, dict[tuple[int, str], int]] = {r: {} for r in order}
+    for r, ids in mine.items():
+        for i in ids:
+            sk = actions[i][:2]
+            work[r][sk] = work[r].get(sk, 0) + 1
+    return _Graph(tuple(actions), tuple(waits), tuple(far), {r: tuple(v) for r, v in mine.items()}, work)
+
+
+def _run(graph: _Graph, forward: dict[int, float], backward: dict[int, float], hop: float) -> dict[int, RankRun]:
+    """Time ``graph``: each action starts when the last thing it waits on finished, plus a
+    hop per input from another rank."""
+    took = {(s, kd): _duration(s, kd, forward, backward) for s in forward for kd in "FBIW"}
+    dur = [took[(s, kd)] for s, kd, _ in graph.actions]
+    fin = [0.0] * len(dur)
+    for i, (waits, hops) in enumerate(zip(graph.waits, graph.far, strict=True)):
+        start = max([fin[j] for j in waits]) if waits else 0.0
+        fin[i] = start + hops * hop + dur[i]
+    return {r: RankRun(busy=sum(n * took[sk] for sk, n in graph.work[r].items()), finish=fin[mine[-1]] if mine else 0.0)
+            for r, mine in graph.ranks.items()}
+
+
 def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dict[int, float],
              backward: dict[int, float], rank_of: dict[int, int], hop: float = 0.0) -> dict[int, RankRun]:
     """Run ``order`` (:func:`timed_order`'s) against the stages' times per microbatch
     (``forward`` / ``backward`` by stage; ``hop``: one point-to-point transfer between
     ranks).  A forward of microbatch ``k`` reads the previous stage's forward of ``k``; a
     backward (or input-gradient pass) its own forward and the next stage's backward or
-    input pass of ``k``; a weight pass its input pass.  Each rank runs its groups one after
-    another, each action as soon as the rank is free and its inputs are in (an overlapped
-    group's actions in whichever order their inputs arrive); an input from another rank
-    costs the receiver a ``hop`` once both sides are there (the transfer completes when
-    the receive is posted: a hidden state exceeds a socket's buffer), idle time, not busy.
-    A schedule that cannot finish is a ``TPError``.
+    input pass of ``k``; a weight pass its input pass.  Each rank runs its actions one
+    after another, each as soon as the rank is free and its inputs are in (an overlapped
+    group's actions in their order: torch's runtime performs DualPipeV's sub-actions one
+    by one); an input from another rank costs the receiver a ``hop`` once both sides are
+    there (the transfer completes when the receive is posted: a hidden state exceeds a
+    socket's buffer), idle time, not busy.  A schedule that cannot finish is a ``TPError``.
     """
-    last = max(forward)
-    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, microbatch) -> finish
-    free = dict.fromkeys(order, 0.0)
-    busy = dict.fromkeys(order, 0.0)
+    return _run(_graph(order, rank_of), forward, backward, hop)
 
-    def finished(stage: int, kinds: str, k: int) -> float | None:
-        """When ``stage``'s action of ``k`` (the first of ``kinds`` that ran) finished."""
-        return next((done[(stage, kd, k)] for kd in kinds if (stage, kd, k) in done), None)
 
-    def ready(r: int, stage: int, kind: str, k: int) -> float | None:
-        """When this action can start on rank ``r`` (``None``: an input is not computed yet)."""
-        if kind == "F":
-            needs = [(stage - 1, "F")] if stage > 0 else []
-        elif kind == "W":
-            needs = [(stage, "I")]
-        else:
-            needs = [(stage, "F")] + ([(stage + 1, "BI")] if stage < last else [])
-        start = free[r]
-        for s, kinds in needs:
-            end = finished(s, kinds, k)
-            if end is None:
-                return None
-            start = max(start, end)
-        far = sum(rank_of[s] != rank_of[stage] for s, _ in needs)
-        return start + far * hop
-
-    def place(r: int, stage: int, kind: str, k: int) -> bool:
-        start = ready(r, stage, kind, k)
-        if start is None:
-            return False
-        took = _duration(stage, kind, forward, backward)
-        done[(stage, kind, k)] = free[r] = start + took
-        busy[r] += took
-        return True
-
-    pending = {r: [list(group) for group in groups] for r, groups in order.items()}
-    pos = dict.fromkeys(order, 0)
-    while any(pos[r] < len(groups) for r, groups in pending.items()):
-        moved = False
-        for r, groups in pending.items():
-            while pos[r] < len(groups):
-                group = groups[pos[r]]
-                group[:] = [a for a in group if not place(r, *a)]
-                if group:
-                    break
-                pos[r] += 1
-                moved = True
-        if not moved:
-            stuck = {r: groups[pos[r]] for r, groups in pending.items() if pos[r] < len(groups)}
-            raise TPError(f"pipeline schedule cannot finish: every rank waits ({stuck})")
-    return {r: RankRun(busy=busy[r], finish=free[r]) for r in order}
+@lru_cache(maxsize=160)
+def _stage_graph(schedule: str, pp: int, virtual: int, microbatches: int) -> _Graph:
+    """:func:`_graph` of a named schedule (cached: a layout search times the same few
+    schedules on thousands of stage times)."""
+    rank_of = {s: rank_of_stage(schedule, pp, s) for s in range(pp * virtual)}
+    return _graph(timed_order(schedule, pp, virtual, microbatches)[0], rank_of)
 
 
 def idle_share(runs: dict[int, RankRun]) -> float:
@@ -223,10 +266,8 @@ def simulate_stages(schedule: str, pp: int, virtual: int, microbatches: int, per
     """:func:`simulate` of ``schedule`` on stages taking ``per_microbatch[s]`` for one
     microbatch's forward and backward (a third forward, two thirds backward)."""
     v = 1 if SCHEDULES[schedule].style == "single" else virtual
-    rank_of = {s: rank_of_stage(schedule, pp, s) for s in range(pp * v)}
-    return simulate(timed_order(schedule, pp, v, microbatches)[0],
-                    forward={s: t / 3 for s, t in per_microbatch.items()},
-                    backward={s: 2 * t / 3 for s, t in per_microbatch.items()}, rank_of=rank_of, hop=hop)
+    return _run(_stage_graph(schedule, pp, v, microbatches), {s: t / 3 for s, t in per_microbatch.items()},
+                {s: 2 * t / 3 for s, t in per_microbatch.items()}, hop)
 
 
 def stage_idle_share(schedule: str, pp: int, virtual: int, microbatches: int, per_microbatch: dict[int, float]) -> float:

@@ -81,19 +81,23 @@ def in_flight_parts(order: dict[int, list[tuple[int, str]]], stage_bytes: dict[i
     for rank, actions in order.items():
         held: dict[int, int] = {}
         grads: set[int] = set()
+        acts = grad = 0.0  # running sums: a long schedule is tens of thousands of actions
         best, split = 0.0, (0.0, 0.0)
         for stage, kind in actions:
             if kind == "F":
                 held[stage] = held.get(stage, 0) + 1
                 peaks[stage] = max(peaks.get(stage, 0), held[stage])
+                if stage_bytes is not None:
+                    acts += stage_bytes[stage]
             elif kind in ("B", "W"):
                 held[stage] -= 1
-                grads.add(stage)
-            if stage_bytes is not None:
-                acts = sum(n * stage_bytes[s] for s, n in held.items())
-                grad = sum(grad_bytes[s] for s in grads) if grad_bytes is not None else 0.0
-                if acts + grad > best:
-                    best, split = acts + grad, (acts, grad)
+                if stage_bytes is not None:
+                    acts -= stage_bytes[stage]
+                if stage not in grads:
+                    grads.add(stage)
+                    grad += grad_bytes[stage] if grad_bytes is not None else 0.0
+            if stage_bytes is not None and acts + grad > best:
+                best, split = acts + grad, (acts, grad)
         rank_peak[rank], parts[rank] = best, split
     return dict(sorted(peaks.items())), rank_peak, parts
 
