@@ -251,13 +251,14 @@ def _timed_steps(spec: Spec, model: torch.nn.Module, batch: dict[str, torch.Tens
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timer = MethodTimer()
     out: dict[str, Any] = {k: [] for k in ("steps", "cpu", "sched", "busy", "busy_cpu", "reduce", "gather_in",
-                                           "gather_out")}
+                                           "gather_out", "runtime_cpu")}
     with timer.installed():
         for i in range(spec.warmup + spec.repeats):
             dist.barrier()
             timer.reset()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, s0 = time.perf_counter(), time.process_time(), time.thread_time()
             loss = tpcompile.pipeline_step(model, batch)
+            s1 = time.thread_time()  # this thread's work in the step (gloo's waits block, they do not spin)
             dist.barrier()  # the slowest rank's schedule: a rank's own end is not the pipeline's
             t1 = time.perf_counter()
             opt.step()
@@ -271,7 +272,9 @@ def _timed_steps(spec: Spec, model: torch.nn.Module, batch: dict[str, torch.Tens
             parts = {"steps": t2 - t0, "cpu": c2 - c0, "sched": t1 - t0,
                      "busy": timer.wall["forward"] + timer.wall["backward"],
                      "busy_cpu": timer.cpu["forward"] + timer.cpu["backward"], "reduce": timer.wall["reduce"],
-                     "gather_in": timer.wall["gather_in"], "gather_out": timer.wall["gather_out"]}
+                     "gather_in": timer.wall["gather_in"], "gather_out": timer.wall["gather_out"],
+                     # the schedule runtime's own work outside the chunks (Python per action, p2p posting)
+                     "runtime_cpu": s1 - s0 - sum(timer.cpu.values())}
             for key, value in parts.items():
                 out[key].append(value)
     out["state_mb"] = _state_bytes(model, opt) / MIB
@@ -322,6 +325,7 @@ def _bubble(res: dict[int, Any], spec: Spec) -> dict[str, Any]:
     measured = 1 - share("busy", ranks)
     reduce, gather_out = share("reduce", ranks), share("gather_out", ranks)
     return {"measured": measured, "reduce": reduce, "gather_in": share("gather_in", ranks), "gather_out": gather_out,
+            "runtime": share("runtime_cpu", ranks),
             "rest": measured - reduce - gather_out, "cpu_share": cpu_share,
             "per_pp_rank": [round(1 - share("busy", [r for r in ranks if r["pp_rank"] == p]), 4) for p in range(pp)],
             "sched": statistics.median(max(r["sched"][i] for r in ranks) for i in range(repeats))}
@@ -394,7 +398,8 @@ def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]
             bubbles.append([spec.layouts[name]["pp_schedule"], "+".join(map(str, s["blocks"])), f"{p:.3f}",
                             f"**{b['measured']:.3f}**", f"{b['measured'] / p:.2f}×",
                             " / ".join(f"{x:.3f}" for x in b["per_pp_rank"]), f"{b['reduce']:.3f}",
-                            f"{b['gather_out']:.3f}", f"{b['rest']:.3f}", f"**{b['rest'] / p:.2f}×**",
+                            f"{b['gather_out']:.3f}", f"{b['rest']:.3f}", f"{b['runtime']:.3f}",
+                            f"**{b['rest'] / p:.2f}×**",
                             f"{b['gather_in']:.3f}",
                             f"{b['cpu_share']:.2f}", f"{b['sched']:.3g} s"])
             if priced is not None:
@@ -410,6 +415,7 @@ def _tables(spec: Spec, summaries: dict[str, tuple[dict[str, Any], list[float]]]
                     "measured",
                     "measured / predicted", "measured per pp rank", "idle: grad reduce-scatter",
                     "idle: all-gathers outside chunks", "idle: the rest (p2p waits, imbalance)",
+                    "of which runtime CPU outside chunks",
                     "rest / predicted", "busy: all-gathers inside chunks", "CPU share in chunks", "pipeline_step wall"],
          "rows": bubbles},
     ]

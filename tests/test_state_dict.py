@@ -51,6 +51,13 @@ def _diffs(got: dict, want: dict) -> list[str]:
             if got[k].shape != w.shape or got[k].dtype != w.dtype or not torch.equal(got[k], w)]
 
 
+def _scramble(model: torch.nn.Module) -> None:
+    """Move every parameter off the values a load must restore (in place: DTensors stay)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+
 def _logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return model(IDS).logits
@@ -77,24 +84,25 @@ def _state_dicts(rank: int, world: int, cases: list) -> dict[str, list[str]]:
         other = tpcompile.transform(_build(name, ov, seed=1), tp=world)
         other.load_state_dict(want)
         out[f"{tag} load full"] = _diffs(_full(other.state_dict()), want)
-        # DTensors in (another model's honest state dict)
-        third = tpcompile.transform(_build(name, ov, seed=2), tp=world)
-        third.load_state_dict(sd)
-        out[f"{tag} load dtensors"] = _diffs(_full(third.state_dict()), want)
+        # DTensors in (another model's honest state dict), over values that differ again
+        # (one transformed model serves every load: each transform captures and plans anew)
+        _scramble(other)
+        other.load_state_dict(sd)
+        out[f"{tag} load dtensors"] = _diffs(_full(other.state_dict()), want)
+        # against the transformed reference: this checks loading, not transform itself
+        err = (_logits(other) - _logits(model)).abs().max().item()
+        out[f"{tag} logits"] = [] if err < 1e-5 else [f"max logit error {err}"]
         # torch's full-state-dict helpers: gathered on every rank, and from rank 0 only
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         out[f"{tag} get full_state_dict"] = _diffs(full, want)
         # torch slices by the parameters' own global shape: KV copies and padded
         # vocabularies cannot take this path (README, Limits)
         if all(p.shape == want[n].shape for n, p in model.named_parameters()):
-            fourth = tpcompile.transform(_build(name, ov, seed=3), tp=world)
+            _scramble(other)
             given = {k: v.clone() for k, v in want.items()} if rank == 0 else {}
-            set_model_state_dict(fourth, given, options=StateDictOptions(full_state_dict=True,
-                                                                         broadcast_from_rank0=True))
-            out[f"{tag} broadcast_from_rank0"] = _diffs(_full(fourth.state_dict()), want)
-        # against the transformed reference: this checks loading, not transform itself
-        err = (_logits(third) - _logits(model)).abs().max().item()
-        out[f"{tag} logits"] = [] if err < 1e-5 else [f"max logit error {err}"]
+            set_model_state_dict(other, given, options=StateDictOptions(full_state_dict=True,
+                                                                        broadcast_from_rank0=True))
+            out[f"{tag} broadcast_from_rank0"] = _diffs(_full(other.state_dict()), want)
     return out
 
 
@@ -191,8 +199,9 @@ def _dcp_load(root: str, layout: str, saved: list[str]) -> dict[str, list[float]
 
     out = {}
     for i, (name, ov) in enumerate(DCP_CASES):
+        model = _dcp_build(name, ov, layout, seed=7)
         for src in saved:
-            model = _dcp_build(name, ov, layout, seed=7)
+            _scramble(model)  # each load restores every value (not the previous load's)
             sd = get_model_state_dict(model)
             dcp.load(sd, checkpoint_id=f"{root}/{src}/{i}")
             set_model_state_dict(model, sd)
