@@ -152,12 +152,45 @@ def _as_if_exporting() -> Iterator[None]:
         torch.compiler.is_compiling = original
 
 
+def _data_dependent(err: BaseException | None) -> bool:
+    """Did ``err`` come from a value only real data has (``nonzero``'s length, ``item``)?"""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    while err is not None:
+        if isinstance(err, DataDependentOutputException | DynamicOutputShapeException | GuardOnDataDependentSymNode):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _where(err: BaseException, twin: nn.Module) -> str:
+    """The innermost module of ``twin`` (name and class) whose code raised ``err``, and the
+    source line."""
+    names = {id(m): n for n, m in twin.named_modules()}
+    tb, found = err.__traceback__, "the forward"
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names:
+            code = tb.tb_frame.f_code
+            found = (f"{names[id(owner)] or '<root>'} ({type(owner).__name__}, "
+                     f"{code.co_filename.rpartition('/')[2]}:{tb.tb_lineno})")
+        tb = tb.tb_next
+    return found
+
+
 def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]) -> Boundaries:
     """Run a fake-tensor copy of ``model`` on ``inputs``' shapes and record what enters
     and leaves each of ``blocks``; refuse a side input with a gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode()
+    # a shape environment, as torch.export's: a data-dependent value (an expert loop's
+    # index) becomes a symbol instead of an error; the boundaries' shapes stay concrete
+    mode = FakeTensorMode(shape_env=ShapeEnv())
     twin = _fake_copy(model, mode)
     stack = stack_of(blocks, type(model).__name__)
     owners = _owning_modules(twin, set(blocks))
@@ -194,8 +227,28 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
     with mode:
         fake_inputs = tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), dict(inputs))
     try:
-        with mode, _as_if_exporting(), reads:
-            twin(**fake_inputs)
+        try:
+            with mode, _as_if_exporting(), reads:
+                twin(**fake_inputs)
+        except Exception as err:
+            if not _data_dependent(err):
+                raise
+            # a data-dependent shape (an expert loop over ``nonzero``): as the capture does,
+            # run it over every position; what crosses a block boundary keeps its shape
+            from ..capture.export import every_position_nonzero
+
+            order.clear(), calls.clear(), first_block.clear(), recorded.clear()
+            reads.seen.clear(), reads.watched.clear()
+            try:
+                with mode, _as_if_exporting(), reads, every_position_nonzero():
+                    twin(**fake_inputs)
+            except Exception as again:
+                if not _data_dependent(again):
+                    raise
+                raise TPError(f"pp > 1: {type(model).__name__}'s forward cannot run on shapes alone, so the values "
+                              f"crossing its block boundaries cannot be read off: {_where(again, twin)} uses a "
+                              "value only real data has. Train this model without pp (tp, ep and FSDP2 take it)"
+                              ) from again
     finally:
         for h in handles:
             h.remove()

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Capture", "LayerStacks", "capture", "layer_stacks", "quiet_traces", "structural_signature"]
+__all__ = ["Capture", "LayerStacks", "capture", "every_position_nonzero", "layer_stacks", "quiet_traces",
+           "structural_signature"]
 
 # Example sizes that cannot be mistaken for model sizes in the traced graph's shape
 # constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
@@ -192,7 +193,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict,
     else:
         sys.stderr.write(told.getvalue())  # what the model itself printed while traced
         return ep
-    with _every_position_nonzero():  # data-dependent loops run over every position
+    with every_position_nonzero():  # data-dependent loops run over every position
         return _export_once(model, args, kwargs, preserve)
 
 
@@ -241,7 +242,7 @@ def _all_positions(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _every_position_nonzero() -> Iterator[None]:
+def every_position_nonzero() -> Iterator[None]:
     """``nonzero`` (and one-argument ``where``) as if every entry were true."""
     originals = (torch.nonzero, torch.Tensor.nonzero, torch.where)
     plain_where = torch.where
