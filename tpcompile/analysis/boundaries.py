@@ -152,21 +152,6 @@ def _as_if_exporting() -> Iterator[None]:
         torch.compiler.is_compiling = original
 
 
-def _data_dependent(err: BaseException | None) -> bool:
-    """Did ``err`` come from a value only real data has (``nonzero``'s length, ``item``)?"""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    while err is not None:
-        if isinstance(err, DataDependentOutputException | DynamicOutputShapeException | GuardOnDataDependentSymNode):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def _where(err: BaseException, twin: nn.Module) -> str:
     """The innermost module of ``twin`` (name and class) whose code raised ``err``, and the
     source line."""
@@ -231,11 +216,12 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
             with mode, _as_if_exporting(), reads:
                 twin(**fake_inputs)
         except Exception as err:
-            if not _data_dependent(err):
+            from ..capture.export import data_dependent, every_position_nonzero
+
+            if not data_dependent(err):
                 raise
             # a data-dependent shape (an expert loop over ``nonzero``): as the capture does,
             # run it over every position; what crosses a block boundary keeps its shape
-            from ..capture.export import every_position_nonzero
 
             order.clear(), calls.clear(), first_block.clear(), recorded.clear()
             reads.seen.clear(), reads.watched.clear()
@@ -243,11 +229,11 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
                 with mode, _as_if_exporting(), reads, every_position_nonzero():
                     twin(**fake_inputs)
             except Exception as again:
-                if not _data_dependent(again):
+                if not data_dependent(again):
                     raise
                 raise TPError(f"pp > 1: {type(model).__name__}'s forward cannot run on shapes alone, so the values "
                               f"crossing its block boundaries cannot be read off: {_where(again, twin)} uses a "
-                              "value only real data has. Train this model without pp (tp, ep and FSDP2 take it)"
+                              "value only real data has. Train this model without pp"
                               ) from again
     finally:
         for h in handles:

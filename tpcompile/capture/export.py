@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Capture", "LayerStacks", "capture", "every_position_nonzero", "layer_stacks", "quiet_traces",
-           "structural_signature"]
+__all__ = ["Capture", "LayerStacks", "capture", "data_dependent", "every_position_nonzero", "layer_stacks",
+           "quiet_traces", "structural_signature"]
 
 # Example sizes that cannot be mistaken for model sizes in the traced graph's shape
 # constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
@@ -186,7 +186,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict,
         with contextlib.redirect_stderr(told), quiet_traces():
             ep = _export_once(model, args, kwargs, preserve)
     except Exception as err:
-        if not _data_dependent(err):
+        if not data_dependent(err):
             sys.stderr.write(told.getvalue())
             raise
         # data-dependent: what export printed is only the question the retry answers
@@ -223,11 +223,19 @@ def quiet_traces() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _data_dependent(err: BaseException) -> bool:
+def data_dependent(err: BaseException | None) -> bool:
+    """Did ``err`` (or what caused it) come from a value only real data has: a guard on an
+    unbacked symbol (``nonzero``'s length, ``item``), or a fake-tensor op refusing to
+    invent one?"""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     while err is not None:
-        if isinstance(err, GuardOnDataDependentSymNode):
+        if isinstance(err, kinds):
             return True
         err = err.__cause__ or err.__context__
     return False
