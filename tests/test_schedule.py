@@ -2,8 +2,9 @@
 
 What it is held to, independently: the balanced-stage bubble ``(pp - 1) / (v M + pp - 1)``
 of GPipe, 1F1B and interleaved 1F1B (Narayanan et al., 2021), a timeline worked by hand
-for unequal stages, the zero-bubble family filling part of that bubble, and an order that
-cannot finish refused by name.
+for unequal stages, the zero-bubble family filling part of that bubble (with a weight pass
+as long as the parameters' share of the backward), and an order that cannot finish
+refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tpcompile.plan.schedule import (
     simulate_stages,
     stage_idle_share,
     timed_order,
+    weight_share,
 )
 
 
@@ -52,6 +54,45 @@ def test_split_backward_fills_the_bubble(name: str, m: int) -> None:
     split = simulate_stages(name, 2, 2, m, stages)
     assert 0 < idle_share(split) < stage_idle_share("interleaved_1f1b", 2, 2, m, stages)
     assert all(run.busy == pytest.approx(3.0 * m * 2) for run in split.values())  # every action ran once
+
+
+def test_weight_pass_share_of_the_backward() -> None:
+    # weight gradients repeat the parameters' products once; the input gradients repeat them
+    # and carry the products of two activations (attention) twice
+    assert weight_share(10.0, 10.0) == 0.5  # all parameter products: half and half
+    assert weight_share(6.0, 10.0) == pytest.approx(0.3)  # 4 of 10 FLOPs attention: B = 20, W = 6
+    assert weight_share(6.0, 10.0, recompute=True) == pytest.approx(0.2)  # the recomputed forward is input-pass
+    assert weight_share(0.0, 0.0) == 0.5
+
+
+@pytest.mark.parametrize("name", ["zero_bubble", "zbv", "dualpipev"])
+def test_a_longer_input_pass_delays_the_hand_off(name: str) -> None:
+    stages = dict.fromkeys(range(4), 3.0)
+    default = simulate_stages(name, 2, 2, 8, stages)
+    half = simulate_stages(name, 2, 2, 8, stages, weight_shares=dict.fromkeys(range(4), 0.5))
+    assert {r: (x.busy, x.finish) for r, x in default.items()} == {r: (x.busy, x.finish) for r, x in half.items()}
+    # attention-heavy stages: the input pass (what the previous stage waits for) is longer,
+    # the weight pass that fills the bubble shorter; the same work, more idle
+    heavy = simulate_stages(name, 2, 2, 8, stages, weight_shares=dict.fromkeys(range(4), 0.3))
+    assert all(heavy[r].busy == pytest.approx(default[r].busy) for r in default)
+    assert idle_share(heavy) > idle_share(default)
+
+
+def test_stage_costs_split_parameter_products_from_attention() -> None:
+    import torch
+    import transformers as hf
+
+    from tpcompile.plan.stages import stage_costs
+
+    cfg = hf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)
+    with torch.device("meta"):
+        model = hf.LlamaForCausalLM(cfg)
+    costs = stage_costs(model, ["model.layers.0", "model.layers.1"], ["model.embed_tokens"], ["lm_head"], seq=32)
+    matrices = sum(p.numel() for p in model.model.layers[0].parameters() if p.dim() == 2)
+    assert costs["block_weight_flops"] == [2.0 * matrices] * 2
+    assert costs["block_flops"] == [2.0 * matrices + 4.0 * 32 * 64] * 2
+    assert costs["post_flops"] == 2.0 * 64 * 100 and costs["pre_flops"] == 0.0
 
 
 def test_an_order_that_cannot_finish_is_refused() -> None:

@@ -30,8 +30,7 @@ from ..errors import TPError
 from .stages import SCHEDULES
 
 __all__ = ["RankRun", "idle_share", "rank_of_stage", "schedule_order", "simulate", "simulate_stages",
-           "stage_idle_share",
-           "timed_order"]
+           "stage_idle_share", "timed_order", "weight_share"]
 
 Action = tuple[int, str]  # (stage, "F" | "B" | "I" | "W")
 Order = dict[int, list[Action]]  # pp rank -> its actions in the order it runs them
@@ -133,17 +132,21 @@ class RankRun:
     finish: float
 
 
-def _duration(stage: int, kind: str, forward: dict[int, float], backward: dict[int, float]) -> float:
-    """An action's time: a split backward's halves are the input and the weight gradients
-    (each about a forward's FLOPs); the first stage has no input gradient, so its weight
-    pass runs the whole backward (as torch's ``backward_weight_one_chunk`` does)."""
+def _duration(stage: int, kind: str, forward: dict[int, float], backward: dict[int, float],
+              weight: dict[int, float] | None) -> float:
+    """An action's time: a split backward's halves are the input gradients ``I`` and the
+    weight gradients ``W`` (``weight[stage]``: the weight pass's time, default half the
+    backward; the input pass takes the rest, attention's products of activations included);
+    the first stage has no input gradient, so its weight pass runs the whole backward (as
+    torch's ``backward_weight_one_chunk`` does)."""
     if kind == "F":
         return forward[stage]
     if kind == "B":
         return backward[stage]
     if stage == 0:
         return 0.0 if kind == "I" else backward[stage]
-    return backward[stage] / 2
+    w = backward[stage] / 2 if weight is None else min(weight[stage], backward[stage])
+    return w if kind == "W" else backward[stage] - w
 
 
 @dataclass(frozen=True)
@@ -215,10 +218,11 @@ def _graph(order: dict[int, list[list[tuple[int, str, int]]]], rank_of: dict[int
     return _Graph(tuple(actions), tuple(waits), tuple(far), {r: tuple(v) for r, v in mine.items()}, work)
 
 
-def _run(graph: _Graph, forward: dict[int, float], backward: dict[int, float], hop: float) -> dict[int, RankRun]:
+def _run(graph: _Graph, forward: dict[int, float], backward: dict[int, float], hop: float,
+         weight: dict[int, float] | None = None) -> dict[int, RankRun]:
     """Time ``graph``: each action starts when the last thing it waits on finished, plus a
     hop per input from another rank."""
-    took = {(s, kd): _duration(s, kd, forward, backward) for s in forward for kd in "FBIW"}
+    took = {(s, kd): _duration(s, kd, forward, backward, weight) for s in forward for kd in "FBIW"}
     dur = [took[(s, kd)] for s, kd, _ in graph.actions]
     fin = [0.0] * len(dur)
     for i, (waits, hops) in enumerate(zip(graph.waits, graph.far, strict=True)):
@@ -229,9 +233,11 @@ def _run(graph: _Graph, forward: dict[int, float], backward: dict[int, float], h
 
 
 def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dict[int, float],
-             backward: dict[int, float], rank_of: dict[int, int], hop: float = 0.0) -> dict[int, RankRun]:
+             backward: dict[int, float], rank_of: dict[int, int], hop: float = 0.0,
+             weight: dict[int, float] | None = None) -> dict[int, RankRun]:
     """Run ``order`` (:func:`timed_order`'s) against the stages' times per microbatch
-    (``forward`` / ``backward`` by stage; ``hop``: one point-to-point transfer between
+    (``forward`` / ``backward`` by stage; ``weight``: the split backward's weight pass by
+    stage, default half the backward; ``hop``: one point-to-point transfer between
     ranks).  A forward of microbatch ``k`` reads the previous stage's forward of ``k``; a
     backward (or input-gradient pass) its own forward and the next stage's backward or
     input pass of ``k``; a weight pass its input pass.  Each rank runs its actions one
@@ -241,7 +247,7 @@ def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dic
     there (the transfer completes when the receive is posted: a hidden state exceeds a
     socket's buffer), idle time, not busy.  A schedule that cannot finish is a ``TPError``.
     """
-    return _run(_graph(order, rank_of), forward, backward, hop)
+    return _run(_graph(order, rank_of), forward, backward, hop, weight)
 
 
 @lru_cache(maxsize=160)
@@ -262,14 +268,31 @@ def idle_share(runs: dict[int, RankRun]) -> float:
 
 
 def simulate_stages(schedule: str, pp: int, virtual: int, microbatches: int, per_microbatch: dict[int, float],
-                    hop: float = 0.0) -> dict[int, RankRun]:
+                    hop: float = 0.0, weight_shares: dict[int, float] | None = None) -> dict[int, RankRun]:
     """:func:`simulate` of ``schedule`` on stages taking ``per_microbatch[s]`` for one
-    microbatch's forward and backward (a third forward, two thirds backward)."""
+    microbatch's forward and backward (a third forward, two thirds backward);
+    ``weight_shares[s]``: the weight pass's share of stage ``s``'s backward (default a half,
+    see :func:`weight_share`)."""
     v = 1 if SCHEDULES[schedule].style == "single" else virtual
+    backward = {s: 2 * t / 3 for s, t in per_microbatch.items()}
+    weight = None if weight_shares is None else {s: b * weight_shares[s] for s, b in backward.items()}
     return _run(_stage_graph(schedule, pp, v, microbatches), {s: t / 3 for s, t in per_microbatch.items()},
-                {s: 2 * t / 3 for s, t in per_microbatch.items()}, hop)
+                backward, hop, weight)
 
 
-def stage_idle_share(schedule: str, pp: int, virtual: int, microbatches: int, per_microbatch: dict[int, float]) -> float:
-    """The idle share of a step of ``schedule`` on these stages (:func:`idle_share`)."""
-    return idle_share(simulate_stages(schedule, pp, virtual, microbatches, per_microbatch))
+def weight_share(weight_flops: float, flops: float, recompute: bool = False) -> float:
+    """The weight pass's share of a backward, from the forward's FLOPs and the part of them
+    that multiplies parameters: the weight gradients repeat exactly those products, while
+    the input gradients repeat them too and carry every product of two activations
+    (attention's scores and values: no weight to differentiate) twice over; a recomputed
+    forward (activation checkpointing) runs in the input pass."""
+    if flops <= 0:
+        return 0.5
+    return min(weight_flops, flops) / ((3 if recompute else 2) * flops)
+
+
+def stage_idle_share(schedule: str, pp: int, virtual: int, microbatches: int, per_microbatch: dict[int, float],
+                     weight: dict[int, float] | None = None) -> float:
+    """The idle share of a step of ``schedule`` on these stages (:func:`idle_share`;
+    ``weight``: the weight passes' shares, :func:`simulate_stages`)."""
+    return idle_share(simulate_stages(schedule, pp, virtual, microbatches, per_microbatch, weight_shares=weight))

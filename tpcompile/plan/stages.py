@@ -36,6 +36,7 @@ class ScheduleSpec:
     torch_class: str
     style: str  # "single": one stage per rank; "loop" / "v": several
     fixed_virtual: int | None = None  # stages per rank the schedule requires
+    split_backward: bool = False  # input gradients and weight gradients as separate actions
 
 
 SCHEDULES = {s.name: s for s in (
@@ -44,9 +45,9 @@ SCHEDULES = {s.name: s for s in (
     ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B", "loop"),
     # the zero-bubble family splits backward into input gradients (sent on at once) and
     # weight gradients (run later, in what would be the bubble)
-    ScheduleSpec("zero_bubble", "ScheduleInterleavedZeroBubble", "loop"),
-    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "v", 2),
-    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", 2),
+    ScheduleSpec("zero_bubble", "ScheduleInterleavedZeroBubble", "loop", split_backward=True),
+    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "v", 2, split_backward=True),
+    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "v", 2, split_backward=True),
 )}
 
 
@@ -73,6 +74,7 @@ class Stage:
     last: bool
     flops_per_token: float  # forward
     param_count: int
+    weight_flops_per_token: float = 0.0  # the part of the forward that multiplies parameters
 
 
 @dataclass
@@ -96,20 +98,24 @@ class StagePlan:
 
     def bubble(self) -> float:
         """The step's idle share, mean over the pp ranks: torch's action order for this
-        schedule run against the stages' forward FLOPs (backward twice that), so the fill
-        and drain and a heavier stage (a large-vocabulary head) both count
-        (:mod:`tpcompile.plan.schedule`; equal stages give ``(pp - 1) / (v M + pp - 1)``)."""
-        from .schedule import stage_idle_share
+        schedule run against the stages' forward FLOPs (backward twice that; a split
+        backward's weight pass the parameters' share of it), so the fill and drain and a
+        heavier stage (a large-vocabulary head) both count (:mod:`tpcompile.plan.schedule`;
+        equal stages give ``(pp - 1) / (v M + pp - 1)``)."""
+        from .schedule import stage_idle_share, weight_share
 
         return stage_idle_share(self.schedule, self.pp, self.virtual, self.microbatches,
-                                {s.index: s.flops_per_token for s in self.stages})
+                                {s.index: s.flops_per_token for s in self.stages},
+                                {s.index: weight_share(s.weight_flops_per_token, s.flops_per_token)
+                                 for s in self.stages})
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "virtual": self.virtual, "schedule": self.schedule,
                 "microbatches": self.microbatches, "stack": self.stack, "pre": self.pre, "post": self.post,
                 "bubble": round(self.bubble(), 4),
                 "stages": [{"index": s.index, "rank": s.rank, "blocks": s.blocks, "first": s.first,
-                            "last": s.last, "flops_per_token": s.flops_per_token, "params": s.param_count}
+                            "last": s.last, "flops_per_token": s.flops_per_token,
+                            "weight_flops_per_token": s.weight_flops_per_token, "params": s.param_count}
                            for s in self.stages]}
 
 
@@ -149,9 +155,12 @@ def _partition(costs: list[float], parts: int, head: float, tail: float) -> list
 def plan_stages(blocks: list[str], block_flops: list[float], block_params: list[int], *, pp: int,
                 schedule: str | None, virtual: int, microbatches: int, stack: str, pre: list[str],
                 post: list[str], pre_flops: float = 0.0, post_flops: float = 0.0, pre_params: int = 0,
-                post_params: int = 0) -> StagePlan:
+                post_params: int = 0, block_weight_flops: list[float] | None = None) -> StagePlan:
     """Deal ``blocks`` (costs per block) into the stages of ``schedule``; a bad degree or a
-    model with fewer blocks than stages is a ``TPError``."""
+    model with fewer blocks than stages is a ``TPError``.  ``block_weight_flops``: the part
+    of each block's FLOPs that multiplies parameters (default: all of it); the pre / post
+    parts are all parameter products (embedding, head)."""
+    weights = block_flops if block_weight_flops is None else block_weight_flops
     name = schedule or default_schedule(len(blocks), pp, virtual, microbatches)
     spec = schedule_spec(name)
     v = spec.fixed_virtual or virtual
@@ -174,6 +183,8 @@ def plan_stages(blocks: list[str], block_flops: list[float], block_params: list[
         first, last = s == 0, s == n_stages - 1
         stages.append(Stage(index=s, rank=ranks[s], blocks=blocks[run], first=first, last=last,
                             flops_per_token=sum(block_flops[run]) + (pre_flops if first else 0.0)
+                            + (post_flops if last else 0.0),
+                            weight_flops_per_token=sum(weights[run]) + (pre_flops if first else 0.0)
                             + (post_flops if last else 0.0),
                             param_count=sum(block_params[run]) + (pre_params if first else 0)
                             + (post_params if last else 0)))
@@ -202,13 +213,15 @@ def _matmul_flops(module: Any, config: Any) -> float:
 
 def stage_costs(model: Any, blocks: list[str], pre: list[str], post: list[str], seq: int) -> dict[str, Any]:
     """Per-token forward FLOPs and parameter counts of every block and of the pre / post
-    parts, for :func:`plan_stages` (attention adds ``4 x seq x hidden`` per block)."""
+    parts, for :func:`plan_stages` (attention adds ``4 x seq x hidden`` per block to the
+    parameters' products, ``block_weight_flops``)."""
     config = getattr(model, "config", None)
     width = getattr(config, "hidden_size", 0) or 0
-    flops, params = [], []
+    flops, weights, params = [], [], []
     for name in blocks:
         block = model.get_submodule(name)
-        flops.append(sum(_matmul_flops(m, config) for m in block.modules()) + 4.0 * seq * width)
+        weights.append(sum(_matmul_flops(m, config) for m in block.modules()))
+        flops.append(weights[-1] + 4.0 * seq * width)
         params.append(sum(p.numel() for p in block.parameters()))
 
     def part(names: list[str]) -> tuple[float, int]:
@@ -223,7 +236,8 @@ def stage_costs(model: Any, blocks: list[str], pre: list[str], post: list[str], 
         return sum(_matmul_flops(m, config) for m in mods), count
 
     (pre_flops, pre_params), (post_flops, post_params) = part(pre), part(post)
-    return {"block_flops": flops, "block_params": params, "pre_flops": pre_flops, "post_flops": post_flops,
+    return {"block_flops": flops, "block_weight_flops": weights, "block_params": params, "pre_flops": pre_flops,
+            "post_flops": post_flops,
             "pre_params": pre_params, "post_params": post_params}
 
 
@@ -247,5 +261,6 @@ def plan_pipeline(model: Any, blocks: list[str], *, pp: int, schedule: str | Non
     stages = plan_stages(blocks, costs["block_flops"], costs["block_params"], pp=pp, schedule=schedule,
                          virtual=virtual, microbatches=m, stack=bounds.stack, pre=bounds.pre, post=bounds.post,
                          pre_flops=costs["pre_flops"], post_flops=costs["post_flops"],
-                         pre_params=costs["pre_params"], post_params=costs["post_params"])
+                         pre_params=costs["pre_params"], post_params=costs["post_params"],
+                         block_weight_flops=costs["block_weight_flops"])
     return stages, bounds

@@ -64,6 +64,7 @@ class ModelFacts:
     stack: str
     hidden_bytes_per_token: float  # the stream a block takes and a stage sends
     block_flops: list[float]  # forward, per token at ``seq``, whole TP group
+    block_weight_flops: list[float]  # the part of ``block_flops`` that multiplies parameters
     block_params: list[int]
     pre_flops: float
     post_flops: float
@@ -177,7 +178,7 @@ def model_facts(model: nn.Module, *, seq: int, name: str = "") -> ModelFacts:
     return ModelFacts(
         model=model, name=name or type(model).__name__, cap=cap, seq=seq, blocks=blocks, pre=pre, post=post,
         stack=stack, hidden_bytes_per_token=hidden, block_flops=costs["block_flops"],
-        block_params=costs["block_params"], pre_flops=costs["pre_flops"], post_flops=costs["post_flops"],
+        block_weight_flops=costs["block_weight_flops"], block_params=costs["block_params"], pre_flops=costs["pre_flops"], post_flops=costs["post_flops"],
         pre_params=costs["pre_params"], post_params=costs["post_params"], pp_refused=refused, itemsize=itemsize,
         width=int(getattr(config, "hidden_size", 0) or 0),
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 1))

@@ -143,21 +143,40 @@ class Pricer:
             self._stages[key] = [_Stage([index[b] for b in s.blocks], s.first, s.last, s.rank) for s in sp.stages]
         return self._stages[key]
 
-    def _simulated(self, lay: Layout, m: int, times: dict[int, float], hop: float) -> tuple[float, float]:
+    def _weight_shares(self, stages: list[_Stage], recompute: bool) -> dict[int, float]:
+        """Each stage's weight pass as a share of its backward, for the split-backward
+        schedules (:func:`~tpcompile.plan.schedule.weight_share`): the blocks' products of
+        parameters, and the head's, against all their FLOPs."""
+        from ..plan.schedule import weight_share
+
+        mf = self.mf
+        out = {}
+        for i, s in enumerate(stages):
+            post = mf.post_flops if s.last else 0.0
+            out[i] = weight_share(sum(mf.block_weight_flops[b] for b in s.blocks) + post,
+                                  sum(mf.block_flops[b] for b in s.blocks) + post, recompute)
+        return out
+
+    def _simulated(self, lay: Layout, m: int, times: dict[int, float], hop: float,
+                   shares: dict[int, float]) -> tuple[float, float]:
         """The busiest rank's busy time and the span of ``lay``'s schedule on these stage
         times (:func:`~tpcompile.plan.schedule.simulate_stages`).  A search prices
         thousands of pipelines whose stages differ mostly in scale: the simulation runs on
         the times relative to the slowest stage, rounded to 1%, and is cached (a long
         schedule is tens of thousands of actions)."""
         from ..plan.schedule import simulate_stages
+        from ..plan.stages import SCHEDULES
 
         unit = max(times.values()) or 1.0
         rel = tuple(round(t / unit, 2) for t in times.values())
         # the hop to 2 significant digits: on fast links it is a tiny share of a stage, yet a
         # long schedule makes thousands of hand-offs (rounding it to 0.1% would drop it)
-        key = (lay.pp_schedule, lay.pp, lay.pp_virtual, m, rel, float(f"{hop / unit:.2g}"))
+        split = SCHEDULES[lay.pp_schedule].split_backward
+        weights = tuple(round(shares[i], 2) for i in range(len(rel))) if split else ()
+        key = (lay.pp_schedule, lay.pp, lay.pp_virtual, m, rel, weights, float(f"{hop / unit:.2g}"))
         if key not in self._sims:
-            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, dict(enumerate(rel)), hop=key[-1])
+            runs = simulate_stages(lay.pp_schedule, lay.pp, lay.pp_virtual, m, dict(enumerate(rel)), hop=key[-1],
+                                   weight_shares=dict(enumerate(weights)) if split else None)
             self._sims[key] = (max(r.busy for r in runs.values()), max(r.finish for r in runs.values()))
         busy, span = self._sims[key]
         return busy * unit, span * unit
@@ -243,7 +262,8 @@ class Pricer:
             # the schedule's idle share on the busiest rank: torch's action order run
             # against each stage's time per microbatch (a heavier stage idles the others)
             times = {i: sum(n[k] for k in ("compute", "tp", "cp", "ep")) for i, n in enumerate(per_stage)}
-            busy_max, span = self._simulated(lay, m, times, 0.0)
+            shares = self._weight_shares(stages, lay.activation_checkpointing)
+            busy_max, span = self._simulated(lay, m, times, 0.0, shares)
             frac = 1 - busy_max / span
             # idle f of the step: busy / (1 - f) in all.  Where devices share compute (ranks
             # on one host's cores), a busy rank computes at the solo rate while its peers
@@ -255,7 +275,7 @@ class Pricer:
             hop = collective_time("p2p", 2, sent, link["pp"])
             # every hand-off the schedule makes, received as the receiver gets to it: what
             # the same order lasts longer with each transfer taking a hop
-            t["p2p"] = self._simulated(lay, m, times, hop)[1] - span
+            t["p2p"] = self._simulated(lay, m, times, hop, shares)[1] - span
         t["total"] = sum(t.values())
         model_flops = 3 * mf.model_flops_per_token * self.batch * mf.seq
         peak = hw.peak(self.dtype)
