@@ -45,6 +45,8 @@ def test_olmo2_default_config_holds_its_share_at_tp4() -> None:
     model = _olmo2(num_hidden_layers=2)  # the default sizes, fewer blocks (same structure)
     plan = tpcompile.plan_model(model, tp=4)
     assert _over_ideal(model, plan) <= 1.05  # was 1.94 with the attention kept whole
+    assert plan.over_ideal() == pytest.approx(_over_ideal(model, plan))  # one dtype: elements = bytes
+    assert plan.kept_whole() == []  # every matrix splits
     attn = "model.layers.0.self_attn."
     assert plan.params[attn + "q_proj.weight"].role.value == "column"
     assert plan.params[attn + "o_proj.weight"].role.value == "row"
@@ -98,6 +100,32 @@ def test_a_statistic_that_leaves_split_code_keeps_the_region_whole() -> None:
     roles = plan.roles()
     assert (roles["up.weight"], roles["norm.weight"], roles["down.weight"]) == ("replicated",) * 3
     assert not any(m.op(SplitStats) for m in plan.modules.values())
+
+
+def test_what_stays_whole_is_named_with_its_reason() -> None:
+    # dump-plan and verify print one rank's share over the ideal and the largest parameters
+    # kept whole, each with what in the dataflow stopped the split
+    with torch.device("meta"):
+        plan = tpcompile.plan_model(_Mlp(leak=True), tp=2)
+    assert plan.over_ideal() == 2.0  # nothing splits at tp=2: twice the ideal share
+    rows = plan.kept_whole()
+    why = {r["name"]: r["because"] for r in rows}
+    assert [(r["shape"], r["count"]) for r in rows] == [([64, 32], 1), ([64, 32], 1), ([32, 64], 1)]
+    assert "small lookup table" in why["emb.weight"], why
+    # the leaking statistic ties the features between up and down into one unit
+    assert "one unit (tied by a reduction over all of them" in why["up.weight"], why
+    assert why["down.weight"] == why["up.weight"]
+    again = Plan.from_json(plan.to_json())
+    assert again.kept_whole() == rows
+    # a row per repeated name, copies counted, largest first
+    mpt = hf.MptForCausalLM(hf.MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64))
+    with torch.device("meta"):
+        mpt = mpt.to("meta")
+    whole = tpcompile.plan_model(mpt, tp=4, strict=False)
+    assert whole.over_ideal() > 1.5
+    first = whole.kept_whole()[0]
+    assert (first["name"], first["count"]) == ("transformer.blocks.*.attn.Wqkv.weight", 2)
+    assert "slicing" in first["because"], first
 
 
 class _Literal(_Mlp):

@@ -59,6 +59,8 @@ class Analyzed:
     stat_values: set = field(default_factory=set)
     stat_units: dict = field(default_factory=dict)  # statistic node -> unit labels it reduces
     retie: set = field(default_factory=set)  # statistics to tie again (see _opened_by)
+    # why each forced block or fqn stays whole (the first reason found), for dump-plan
+    why: dict = field(default_factory=dict)
 
 
 def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
@@ -245,11 +247,13 @@ def _reduce_checks(an: Analysis, part: Partition) -> set:
     return force
 
 
-def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set:
+def _structural(an: Analysis, part: Partition, outputs: np.ndarray, why: dict) -> set:
     new: set = set()
     for f in part.failures:
         if f.single_unit:
             new |= set(f.blocks)
+            _because(why, set(f.blocks), "its features form one unit (tied by a reduction over all of them, "
+                     "a norm or a softmax, or a single head): nothing to deal to the ranks")
     if new:  # the output head may only show up once those are replicated
         return new
     for e in an.embeddings:
@@ -260,6 +264,8 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set:
             # lookup and all-reduce of a vocab-parallel table wrap a whole module's
             # forward, so this table stays replicated
             new.add((e.fqn, an.atoms.by_key_of(e.atoms)))
+            _because(why, {(e.fqn, an.atoms.by_key_of(e.atoms))},
+                     f"looked up inside its owner's forward ({e.module or '<root>'})")
     if new:
         return new
     out_set = set(np.unique(outputs[outputs >= 0]).tolist())
@@ -268,6 +274,9 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray) -> set:
         tied = any(c.fqn == e.fqn for c in an.columns)
         if not tied and e.atoms.size not in vocab_sizes and e.atoms.size < 16384:
             new.add((e.fqn, an.atoms.by_key_of(e.atoms)))
+            _because(why, {(e.fqn, an.atoms.by_key_of(e.atoms))},
+                     f"a small lookup table ({e.atoms.size} rows, not the vocabulary): a split would cost more "
+                     "than it saves")
     return new
 
 
@@ -282,11 +291,21 @@ def analyze(
     overrides: dict[str, str] | None = None,
     max_passes: int = 12,
     split_stats: bool = True,
+    override_reasons: dict[str, str] | None = None,
 ) -> Analyzed:
     """Propagate and partition until stable; see module docstring.  ``split_stats=False``
-    ties every statistic's features, as any other reduction's (no :mod:`.stats`)."""
+    ties every statistic's features, as any other reduction's (no :mod:`.stats`);
+    ``override_reasons``: why an override key forces its parameters whole (default: the
+    user's override)."""
     all_params = set(param_of_placeholder.values())
-    overridden = {f for f in all_params for k, v in (overrides or {}).items() if v == "replicated" and key_matches(k, f)}
+    why: dict = {}
+    for k, v in (overrides or {}).items():
+        if v != "replicated":
+            continue
+        for f in all_params:
+            if key_matches(k, f):
+                why.setdefault(f, (override_reasons or {}).get(k, f"overrides={{{k!r}: 'replicated'}}"))
+    overridden = set(why)
     # statistics that tie their features (not split)
     whole_stats: set[fx.Node] = set() if split_stats else {
         n for n in graph.nodes if getattr(n.target, "overloadpacket", None) in STAT_OPS}
@@ -298,7 +317,7 @@ def analyze(
         # from the overrides alone.  ``whole_stats`` only grows: at most one attempt per
         # statistic, and the last one is what tying those statistics from the start gives
         a, more, passes = _attempt(graph, rules, tp, param_of_placeholder, buffer_of_placeholder,
-                                   strict, set(overridden), whole_stats, max_passes)
+                                   strict, set(overridden), whole_stats, max_passes, dict(why))
         total += passes
         if a is not None:
             a.passes = total
@@ -306,12 +325,17 @@ def analyze(
         whole_stats |= more
 
 
+def _because(why: dict, blocks: set, reason: str) -> None:
+    for b in blocks:
+        why.setdefault(b, reason)
+
+
 def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dict[str, str],
              buffer_of_placeholder: dict[str, str], strict: bool, forced: set,
-             whole_stats: set[fx.Node], max_passes: int) -> tuple[Analyzed | None, set[fx.Node], int]:
+             whole_stats: set[fx.Node], max_passes: int, why: dict) -> tuple[Analyzed | None, set[fx.Node], int]:
     """Passes to a fixed point with ``whole_stats`` tied: the converged analysis, or
     ``None`` and the statistics found not to split (to tie in a fresh attempt); and the
-    passes it took."""
+    passes it took.  ``why`` collects the reason each forced block stays whole."""
     notes: list[str] = []
     for n_pass in range(1, max_passes + 1):
         an = Analysis(
@@ -324,7 +348,7 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
         outputs = np.concatenate([o.reshape(-1) for o in an.outputs]) if an.outputs else np.zeros(0, np.int64)
         # structural forcing first: one-unit regions (an MoE router, a norm over the whole
         # hidden size) and small lookup tables (positions, token types) stay replicated
-        new = _structural(an, part, outputs)
+        new = _structural(an, part, outputs, why)
         if new - forced:  # replicate those first: what they poison downstream may vanish
             forced |= new
             continue
@@ -346,6 +370,7 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
                     "strict=False to replicate it with a warning."
                 )
             notes.append(p.reason)
+            _because(why, touched, p.reason)
             new |= touched
         for f in part.failures:
             fqns = {k[0] for k in f.blocks}
@@ -360,12 +385,13 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
             if strict and n_pass == 1 and not f.uneven_units:
                 raise TPError(msg)
             notes.append(msg + " (kept replicated)")
+            _because(why, set(f.blocks), msg)
             new |= set(f.blocks)
         new -= forced
         if new:  # the graph changes: re-propagate before judging finer interactions
             forced |= new
             continue
-        a = Analyzed(an, part, {}, {}, {}, {}, {}, forced=forced, notes=notes, passes=n_pass)
+        a = Analyzed(an, part, {}, {}, {}, {}, {}, forced=forced, notes=notes, passes=n_pass, why=why)
         for key, lay in part.layouts.items():
             if key[0] not in forced and key not in forced:
                 a.layouts[key[0]] = lay
@@ -380,9 +406,15 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
         a.grad_allreduce |= summed.params
         reduced = _reduce_checks(an, part) - forced
         a.retie |= _opened_by(stat_blocks, reduced)
-        new = (_aligned_checks(a) | reduced) - forced
+        _because(why, reduced, "a partial sum is reduced inside the module that computed it")
+        seen = len(notes)
+        aligned = _aligned_checks(a) - forced
+        _because(why, aligned, "; ".join(notes[seen:]) or "a whole value would need a slice of split features")
+        new = aligned | reduced
         if not new and not a.retie:
+            seen = len(notes)
             new = _gradient_checks(a, strict, stat_blocks) - forced
+            _because(why, new, "; ".join(notes[seen:]) or "a partial gradient nothing sums")
         if a.retie:
             return None, a.retie, n_pass
         if not new:

@@ -97,12 +97,13 @@ def plan_model(
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
     forced = dict(overrides or {})
+    reasons: dict[str, str] = {}  # override key -> why (the self-check's, not the user's)
     split_stats = True
 
     def run(cap: Capture) -> Analyzed:
         return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
                        buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced,
-                       split_stats=split_stats)
+                       split_stats=split_stats, override_reasons=reasons)
 
     for attempt in range(_SELF_CHECK_RETRIES + 1):
         a = run(cap)
@@ -126,6 +127,7 @@ def plan_model(
                 raise
             warnings.warn(f"tpcompile: {err.module} kept replicated: {err.first}", stacklevel=2)
             forced[f"re:{re.escape(err.module)}\\..*"] = "replicated"
+            reasons[f"re:{re.escape(err.module)}\\..*"] = f"the localized model fails in it: {err.first}"
             a.notes.append(f"{err.module} kept replicated (self-check: {err.first})")
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
     plan.ep = ep
@@ -237,6 +239,13 @@ def _layout_kind(index: np.ndarray, size: int) -> str:
     return "fused"
 
 
+def _whole_because(why: dict, fqn: str) -> str:
+    """Why the analysis kept ``fqn`` (its representative) whole: the reason recorded when
+    it or one of its dims was forced replicated, else that nothing split it."""
+    found = why.get(fqn) or next((r for k, r in why.items() if isinstance(k, tuple) and k[0] == fqn), None)
+    return found or "no column, row or embedding use in the captured dataflow splits it"
+
+
 def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bool = False,
                fixups: dict[str, dict[str, list[int]]] | None = None) -> Plan:
     tp = a.part.tp
@@ -292,7 +301,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         if lay is None:
             role = Role.GRAD_ALLREDUCE if key in a.grad_allreduce else Role.REPLICATED
             plan.params[name] = ParamPlan(fqn=name, role=role, module=owner, global_shape=list(p.shape),
-                                          local_shape=list(p.shape), tied_to=aliases)
+                                          local_shape=list(p.shape), tied_to=aliases,
+                                          whole_because=_whole_because(a.why, key) if p.dim() >= 2 else "")
             if role is Role.GRAD_ALLREDUCE:
                 for n in [name, *aliases]:
                     mo, pn = _owner(n)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
@@ -102,6 +104,8 @@ class ParamPlan:
     # (Mamba's mixer calls conv1d(x, self.conv1d.weight)): its local tensor is swapped in
     # for that module's whole forward; ``None``: the owner
     scope: str | None = None
+    # a parameter of 2+ dims the plan keeps whole: why (what in the dataflow stopped the split)
+    whole_because: str = ""
 
     def index(self) -> np.ndarray | None:
         return None if self.runs is None else runs_to_index(self.runs)
@@ -172,6 +176,27 @@ class Plan:
                        blocks=[b for b in map(module_name, self.blocks) if b is not None],
                        experts={module_name(k): replace(x, fqn=module_name(k)) for k, x in self.experts.items()
                                 if module_name(k) is not None})
+
+    def over_ideal(self) -> float:
+        """One rank's parameter elements over the ideal share (all of them / tp): 1.0 when
+        everything splits, ``tp`` when nothing does."""
+        total = sum(math.prod(p.global_shape) for p in self.params.values())
+        local = sum(math.prod(p.local_shape) for p in self.params.values())
+        return local * self.tp / total if total else 1.0
+
+    def kept_whole(self, top: int = 3) -> list[dict[str, Any]]:
+        """The largest parameters of 2+ dims the plan keeps whole, one row per name with
+        its block index as ``*`` (``count`` copies), largest first, each with its reason."""
+        groups: dict[str, dict[str, Any]] = {}
+        for name, p in self.params.items():
+            if not p.whole_because or p.shard_dim is not None:
+                continue
+            key = re.sub(r"\.\d+\.", ".*.", name)
+            g = groups.setdefault(key, {"name": key, "count": 0, "elements": 0, "shape": p.global_shape,
+                                        "because": p.whole_because})
+            g["count"] += 1
+            g["elements"] += math.prod(p.global_shape)
+        return sorted(groups.values(), key=lambda g: -g["elements"])[:top]
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

@@ -436,7 +436,7 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
 def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], *,
                   start: float, cost: dict[str, Any]) -> str:
     from .cost_context import context_summary
-    from .cost_render import render_eval, render_modules, render_summary
+    from .cost_render import kept_whole_lines, render_eval, render_modules, render_summary
 
     rows, total_bytes = _param_rows(plan, dtypes)
     header = ["parameter", "role", "global → per-rank shape", "layout", "per-rank bytes"]
@@ -449,7 +449,9 @@ def _render_table(plan: Plan, dtypes: dict[str, int], timing: dict[str, float], 
     stats = plan.stats
     out += [
         "",
-        f"parameters per rank: {human_bytes(total_bytes)} ({total_bytes:,} bytes)",
+        f"parameters per rank: {human_bytes(total_bytes)} ({total_bytes:,} bytes), "
+        f"{plan.over_ideal():.2f}x the ideal (all parameters / tp)",
+        *kept_whole_lines(plan.kept_whole()),
         f"tp: {plan.tp}",
         f"time: build (incl. imports) {timing['build_s']:.2f} s, capture {stats.get('capture_s', 0.0):.2f} s, "
         f"analysis {stats.get('analysis_s', 0.0):.2f} s, "

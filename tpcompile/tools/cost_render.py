@@ -37,6 +37,15 @@ def _ops_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {op.replace('_', '-')}" for op, n in counts.items() if n) or "none"
 
 
+def kept_whole_lines(groups: list[dict[str, Any]]) -> list[str]:
+    """``Plan.kept_whole()``'s rows as text: each name, shape, copies and why."""
+    lines = []
+    for g in groups:
+        copies = f" x{g['count']}" if g["count"] > 1 else ""
+        lines.append(f"  kept whole: {g['name']} {list(g['shape'])}{copies}: {g['because']}")
+    return lines
+
+
 def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
     """The table's collectives section: one line per (collapsed) module, then one block."""
     calls: dict[str, dict[str, dict[str, int]]] = {}

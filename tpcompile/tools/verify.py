@@ -26,6 +26,7 @@ from transformers import PreTrainedConfig
 
 from ..capture import example_inputs
 from ..errors import TPError
+from .cost_render import kept_whole_lines
 from .launch import WorkerFailed, spawn_local
 from .shrink import shrink_config
 
@@ -82,6 +83,8 @@ class VerifyReport:
     outputs: dict[str, Check] = field(default_factory=dict)  # model outputs and loss
     generate: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # one rank's parameter elements over the ideal (all / tp), and the largest kept whole
+    split: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
     def failing(self) -> list[str]:
@@ -423,6 +426,8 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
     if opts.get("fault"):
         _inject_fault(model, opts["fault"], rank, world)
     result["warnings"] = list(model.tpcompile_plan.warnings)
+    result["split"] = {"over_ideal": model.tpcompile_plan.over_ideal(),
+                       "kept_whole": model.tpcompile_plan.kept_whole()}
     if opts.get("sequence_parallel"):
         seq = model.tpcompile_plan.sequence
         regions, stacks = (seq.regions, seq.stacks) if seq is not None else ({}, {})
@@ -463,6 +468,7 @@ def _merge(results: list[dict], tp: int, tol: float, cp: int = 1) -> VerifyRepor
         report.error = errors[0]
         return report
     report.warnings = first["warnings"]
+    report.split = first.get("split", {})
     for key in ("forward", "grads", "outputs"):
         merged: dict[str, Check | None] = {}
         for r in results:
@@ -564,6 +570,9 @@ def render_report(report: VerifyReport) -> str:
     lines += ["", f"generate (greedy): {gen.get('status', 'skipped')}"]
     if "tp" in gen:
         lines += [f"  tp        {gen['tp']}", f"  reference {gen['reference']}"]
+    if report.split:
+        lines += ["", f"parameters per rank: {report.split['over_ideal']:.2f}x the ideal (all / tp)"]
+        lines += kept_whole_lines(report.split["kept_whole"])
     for w in report.warnings:
         lines.append(f"warning: {w}")
     bad = report.failing()
