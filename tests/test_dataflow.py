@@ -282,3 +282,23 @@ def test_coincidental_attribute_values_are_left_alone() -> None:
     # equal 32 heads. Neither attribute shapes a tensor in attention.
     assert _fixups(build_meta_model("gemma2"), 8) == {}
     assert _fixups(build_meta_model("llama"), 8) == {}
+
+
+def test_a_list_of_per_head_layers_is_traced_whole() -> None:
+    # StableLM's qk_layernorm zips a ModuleList of per-head LayerNorms with the heads: cut
+    # like a stack of blocks, the capture ran one head (and the analysis crashed in numpy);
+    # traced whole, the zip's dependence on the global head count is refused by name
+    import transformers as hf
+
+    cfg = hf.StableLmConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, vocab_size=128, qk_layernorm=True)
+    with torch.device("meta"):
+        model = hf.StableLmForCausalLM(cfg)
+    from tpcompile.capture import capture
+
+    assert set(capture(model).stacks.members) == {"model.layers"}  # the decoder layers only
+    with pytest.raises(TPError, match=r"q_layernorm\.norms\.\d+: op layer_norm"):
+        tpcompile.plan_model(model, tp=2)
+    assert tpcompile.plan_model(hf.StableLmForCausalLM(hf.StableLmConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=128)).to("meta"), tp=2).over_ideal() < 1.05  # without the per-head norms it splits

@@ -114,6 +114,11 @@ def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
             continue
+        if not any(True for block in mod for _ in block.children()):
+            # a list of single layers (StableLM's per-head norms, zipped with the heads they
+            # normalise) is data, not a stack of blocks: cut, the forward would run fewer
+            # heads; whole, it costs little to trace
+            continue
         first: dict[tuple, int] = {}
         reps = [first.setdefault(structural_signature(block), i) for i, block in enumerate(mod)]
         if len(first) < len(mod):
