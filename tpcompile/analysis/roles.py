@@ -263,9 +263,9 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray, why: dict) -
             # embedding: F.embedding(ids, lora_A.T) beside base_layer(ids)): the masked
             # lookup and all-reduce of a vocab-parallel table wrap a whole module's
             # forward, so this table stays replicated
-            new.add((e.fqn, an.atoms.by_key_of(e.atoms)))
-            _because(why, {(e.fqn, an.atoms.by_key_of(e.atoms))},
-                     f"looked up inside its owner's forward ({e.module or '<root>'})")
+            key = (e.fqn, an.atoms.by_key_of(e.atoms))
+            new.add(key)
+            _because(why, {key}, f"looked up inside its owner's forward ({e.module or '<root>'})")
     if new:
         return new
     out_set = set(np.unique(outputs[outputs >= 0]).tolist())
@@ -273,9 +273,9 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray, why: dict) -
     for e in an.embeddings:
         tied = any(c.fqn == e.fqn for c in an.columns)
         if not tied and e.atoms.size not in vocab_sizes and e.atoms.size < 16384:
-            new.add((e.fqn, an.atoms.by_key_of(e.atoms)))
-            _because(why, {(e.fqn, an.atoms.by_key_of(e.atoms))},
-                     f"a small lookup table ({e.atoms.size} rows, not the vocabulary): a split would cost more "
+            key = (e.fqn, an.atoms.by_key_of(e.atoms))
+            new.add(key)
+            _because(why, {key}, f"a small lookup table ({e.atoms.size} rows, not the vocabulary): a split would cost more "
                      "than it saves")
     return new
 
