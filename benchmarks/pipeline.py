@@ -363,7 +363,7 @@ def _priced(spec: Spec) -> dict[str, float]:
     hidden state, torch's action order simulated on them."""
     from transformers import AutoModelForCausalLM
 
-    from tpcompile.plan.schedule import idle_share, simulate_stages, weight_share
+    from tpcompile.plan.schedule import idle_share, simulate_stages
     from tpcompile.plan.stages import plan_pipeline
     from tpcompile.tools.calibration import calibrate
     from tpcompile.tools.layout_price import collective_time
@@ -380,9 +380,8 @@ def _priced(spec: Spec) -> dict[str, float]:
         sp, _ = plan_pipeline(model, blocks, pp=kw["pp"], schedule=kw["pp_schedule"], virtual=kw.get("pp_virtual", 2),
                               microbatches=spec.microbatches, seq=spec.seq)
         times = {s.index: 3 * s.flops_per_token * tokens / rate for s in sp.stages}
-        shares = {s.index: weight_share(s.weight_flops_per_token, s.flops_per_token) for s in sp.stages}
         out[name] = idle_share(simulate_stages(sp.schedule, sp.pp, sp.virtual, spec.microbatches, times, hop=hop,
-                                               weight_shares=shares))
+                                               weight_shares=sp.weight_shares()))
     return out
 
 

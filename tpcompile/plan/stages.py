@@ -74,7 +74,7 @@ class Stage:
     last: bool
     flops_per_token: float  # forward
     param_count: int
-    weight_flops_per_token: float = 0.0  # the part of the forward that multiplies parameters
+    weight_flops_per_token: float  # the part of the forward that multiplies parameters
 
 
 @dataclass
@@ -102,12 +102,17 @@ class StagePlan:
         backward's weight pass the parameters' share of it), so the fill and drain and a
         heavier stage (a large-vocabulary head) both count (:mod:`tpcompile.plan.schedule`;
         equal stages give ``(pp - 1) / (v M + pp - 1)``)."""
-        from .schedule import stage_idle_share, weight_share
+        from .schedule import stage_idle_share
 
         return stage_idle_share(self.schedule, self.pp, self.virtual, self.microbatches,
-                                {s.index: s.flops_per_token for s in self.stages},
-                                {s.index: weight_share(s.weight_flops_per_token, s.flops_per_token)
-                                 for s in self.stages})
+                                {s.index: s.flops_per_token for s in self.stages}, self.weight_shares())
+
+    def weight_shares(self) -> dict[int, float]:
+        """Each stage's weight pass as a share of its backward
+        (:func:`~tpcompile.plan.schedule.weight_share`)."""
+        from .schedule import weight_share
+
+        return {s.index: weight_share(s.weight_flops_per_token, s.flops_per_token) for s in self.stages}
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "virtual": self.virtual, "schedule": self.schedule,
@@ -181,11 +186,10 @@ def plan_stages(blocks: list[str], block_flops: list[float], block_params: list[
     for s, size in enumerate(sizes):
         run = slice(start, start + size)
         first, last = s == 0, s == n_stages - 1
+        ends = (pre_flops if first else 0.0) + (post_flops if last else 0.0)  # embedding, head: all weights
         stages.append(Stage(index=s, rank=ranks[s], blocks=blocks[run], first=first, last=last,
-                            flops_per_token=sum(block_flops[run]) + (pre_flops if first else 0.0)
-                            + (post_flops if last else 0.0),
-                            weight_flops_per_token=sum(weights[run]) + (pre_flops if first else 0.0)
-                            + (post_flops if last else 0.0),
+                            flops_per_token=sum(block_flops[run]) + ends,
+                            weight_flops_per_token=sum(weights[run]) + ends,
                             param_count=sum(block_params[run]) + (pre_params if first else 0)
                             + (post_params if last else 0)))
         start += size
