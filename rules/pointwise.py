@@ -21,6 +21,9 @@ __all__ = ["POINTWISE_RULES", "pointwise"]
 
 aten = torch.ops.aten
 
+_ADDS = (aten.add, aten.sub, aten.add_, aten.sub_)
+
+
 def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     out: list[torch.fx.Node] = []
     for a in list(node.args) + list(node.kwargs.values()):
@@ -41,8 +44,13 @@ def _partial_result(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node]
             return partials[0]
         if packet in (aten.div, aten.true_divide) and len(partials) == 1 and first_is_partial:
             return partials[0]
-        if packet in (aten.add, aten.sub) and not others:
+        # a constant added to a partial sum would be added once per rank
+        constant = any(isinstance(a, int | float) and not isinstance(a, bool) and a != 0 for a in node.args[:2])
+        if packet in _ADDS and not others and not constant:
             return Partial(tuple(r for p in partials for r in p.rows))
+        if (packet in _ADDS and len(partials) == 1 and len(others) == 1 and not constant
+                and isinstance(others[0], ParamRef) and an.row_addend(node, partials[0], others[0])):
+            return partials[0]  # a bias added inside the row's module: one rank adds it
     an.reduce_partials(node)  # reduced first: from here on the sum is a replicated value
     return None
 

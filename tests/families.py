@@ -25,7 +25,7 @@ __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
-             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa"}
+             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -113,6 +113,12 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2 if name == "olmoe" else 1, num_experts=4, num_experts_per_tok=2,
             vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "gpt_oss":  # expert biases added to the partial sum inside the experts' forward
+        return hf.GptOssForCausalLM, hf.GptOssConfig(
+            hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=8, vocab_size=256,
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 
@@ -123,4 +129,10 @@ def build(name: str, attn: str | None = None, *, meta: bool = False) -> torch.nn
     if meta:
         with torch.device("meta"):
             return cls(cfg).eval()
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    if name.startswith("gpt_oss"):  # its expert biases start at zero, which would hide where they are added
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith("_bias"):
+                    p.normal_(std=0.5)
+    return model

@@ -22,6 +22,7 @@ from tpcompile.runtime.comm import (
     all_reduce_grad,
     copy_to_tp,
     gather_from_tp,
+    on_first_rank,
     reduce_from_tp,
     scatter_to_tp,
     sum_over_tp,
@@ -142,6 +143,18 @@ def _check_sum_over_tp(rank: int, world: int) -> None:
     torch.testing.assert_close(x.grad, torch.stack(upstream).sum(0))
 
 
+def _check_on_first_rank(rank: int, world: int) -> None:
+    # b added to each rank's partial sum, then summed: b counted once; its gradient is the
+    # sum's (whole on every rank), on every rank
+    b = _randn(77, 4).requires_grad_()
+    parts = [_randn(78 + r, 2, 4) for r in range(world)]
+    y = reduce_from_tp(parts[rank] + on_first_rank(b, None), None)
+    torch.testing.assert_close(y, torch.stack(parts).sum(0) + b.detach())
+    upstream = _randn(79, 2, 4)
+    y.backward(upstream)
+    torch.testing.assert_close(b.grad, upstream.sum(0))
+
+
 def _stat_norm(x: Tensor, w: Tensor) -> Tensor:
     """An RMSNorm, and every statistic form the split rewrite reads, over the last dim."""
     var = x.pow(2).mean(-1, keepdim=True)
@@ -189,6 +202,7 @@ def _collectives_worker(rank: int, world: int) -> None:
     _check_all_reduce_grad(rank, world)
     _check_megatron_mlp(rank, world)
     _check_sum_over_tp(rank, world)
+    _check_on_first_rank(rank, world)
     _check_split_statistics(rank, world)
 
 

@@ -32,6 +32,7 @@ from .state import (
     Partial,
     Poison,
     ReducePoint,
+    RowAddend,
     RowUse,
     StatUse,
 )
@@ -236,6 +237,7 @@ class Analysis:
         self.aligned: list[Aligned] = []
         self.poison: list[Poison] = []
         self.reduce_points: list[ReducePoint] = []
+        self.row_addends: list[RowAddend] = []
         self.outputs: list[np.ndarray] = []
         self.replicated_bases: list[np.ndarray] = []
         # per broadcast, its copies (copy x base position): each rank's local code makes
@@ -459,6 +461,16 @@ class Analysis:
         atoms = [v.atoms.reshape(-1) for v in vals if isinstance(v, Feat)]
         flat = np.concatenate(atoms) if atoms else np.zeros(0, np.int64)
         self.poison.append(Poison(node, reason, flat, unknown_op=unknown_op))
+
+    def row_addend(self, node: fx.Node, partial: Partial, ref: ParamRef) -> bool:
+        """Record that ``node`` adds the replicated parameter ``ref`` to ``partial``, if it
+        runs inside the module of every row the sum comes from (the runtime then lets one
+        rank add it: :mod:`.addends`).  ``False``: the sum must be reduced first."""
+        path = module_path(node)
+        if ref.is_buffer or any(self.rows[r].module not in path for r in partial.rows):
+            return False
+        self.row_addends.append(RowAddend(node, ref.fqn, partial.rows))
+        return True
 
     def reduce_partials(self, node: fx.Node) -> None:
         """Record that ``node`` needs its partial-sum inputs all-reduced first."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch.fx as fx
 
 from ..errors import TPError
+from .addends import addend_params
 from .gradients import rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
@@ -61,6 +62,8 @@ class Analyzed:
     retie: set = field(default_factory=set)  # statistics to tie again (see _opened_by)
     # why each forced block or fqn stays whole (the first reason found), for dump-plan
     why: dict = field(default_factory=dict)
+    # module -> its parameters added to a partial sum inside its forward (:mod:`.addends`)
+    addends: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
@@ -405,6 +408,15 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
         a.reentry.update(summed)
         a.grad_allreduce |= summed.params
         reduced = _reduce_checks(an, part) - forced
+        a.addends, unplaced = addend_params(an, part)
+        for m, names in a.addends.items():
+            for name in names:  # whole by nature: what dump-plan says about it
+                why.setdefault(f"{m}.{name}", f"added to the partial sum inside {m}: one rank adds it "
+                               "before the all-reduce")
+        for ri, reason in unplaced.items():
+            blocks = _region_blocks(part, an, an.rows[ri].atoms) - forced
+            _because(why, blocks, reason)
+            reduced |= blocks
         a.retie |= _opened_by(stat_blocks, reduced)
         _because(why, reduced, "a partial sum is reduced inside the module that computed it")
         seen = len(notes)

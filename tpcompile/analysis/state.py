@@ -30,6 +30,7 @@ __all__ = [
     "ParamRef",
     "Partial",
     "Poison",
+    "RowAddend",
     "ReducePoint",
     "RowUse",
     "StatUse",
@@ -101,6 +102,18 @@ class Aligned:
     atoms: np.ndarray
     shape: tuple[int, ...]
     tainted: bool
+
+
+@dataclass
+class RowAddend:
+    """A replicated parameter added to a partial sum inside the module that computed it:
+    a row's bias written as code (``out.add_(down_proj_bias[expert_ids])`` in a fused
+    experts module).  Added by one rank only, the all-reduce at the module's exit adds it
+    once (:mod:`tpcompile.analysis.addends`)."""
+
+    node: fx.Node
+    fqn: str
+    rows: tuple[int, ...]
 
 
 @dataclass

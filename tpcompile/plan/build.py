@@ -277,7 +277,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             if owner != m:
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
             biases = (*biases, pname)
-        rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter)
+        rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter, addends=a.addends.get(m, ()))
     for m, stat in a.stats.items():
         rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
     for fqn, users in a.embedding.items():

@@ -6,6 +6,8 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
     VocabEmbedding(vocab_size=V)       masked lookup of this rank's rows, all-reduce
     ReduceOutput(row_biases=["bias"])  all-reduce of the partial sum, bias added once after
     ReduceOutput(reenter=True)         ... and of its gradient (only split code reads it)
+    ReduceOutput(addends=["b"])        ... a bias the forward adds to the partial sum: rank 0
+                                       adds it, every rank passes its gradient through
     GatherOutput(vocab_size=V)         all-gather of the vocab-sharded logits (unpadded to V)
     GradSum(params=["weight"])         all-reduce of a replicated parameter's gradient
     SplitStats(dim=-1, size=N, ...)    mean / sum / var over split features: local partial
@@ -163,12 +165,19 @@ class ReduceOutput(ModuleOp):
 
     ``reenter``: only split code reads ``Y`` (Mamba's ``x_proj``, whose ``B`` / ``C``
     every channel of the scan reads), so each rank computes part of its gradient, which
-    is all-reduced here too (:mod:`tpcompile.analysis.reentry`)."""
+    is all-reduced here too (:mod:`tpcompile.analysis.reentry`).
+
+    ``addends``: parameters the module's own forward adds to the partial sum (a fused
+    experts module's ``down_proj_bias[expert_ids]``): during the forward they read as
+    themselves on the group's first rank and as zeros elsewhere, so the all-reduce adds
+    them once; their gradient, whole on every rank, passes through unchanged
+    (:mod:`tpcompile.analysis.addends`)."""
 
     kind: ClassVar[str] = "reduce_output"
     order: ClassVar[int] = 2
     row_biases: tuple[str, ...] = ()  # names local to the module
     reenter: bool = False
+    addends: tuple[str, ...] = ()  # names local to the module
 
     def collectives(self) -> list[Collective]:
         return [Collective(hook=Hook.EXIT_REDUCE)] + ([Collective(hook=Hook.EXIT_GRAD)] if self.reenter else [])

@@ -52,6 +52,7 @@ __all__ = [
     "gather_from_tp",
     "group_rank",
     "group_size",
+    "on_first_rank",
     "leave_tp",
     "reduce_from_tp",
     "scatter_to_tp",
@@ -153,6 +154,18 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
         return _all_reduce_sum(grad, ctx.group), None
+
+
+class _OnFirstRank(torch.autograd.Function):
+    """Forward ``y = x`` on the group's first rank, zeros elsewhere; backward ``dx = dy``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        return x.view_as(x) if group_rank(group) == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -279,6 +292,20 @@ def leave_tp(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
     dim = _normalize_dim(dim, x.dim())
     _check_divisible(x, group_size(group), dim)
     return _LeaveTP.apply(x, group, dim)
+
+
+def on_first_rank(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """``x`` on the group's first rank and zeros on the others; the gradient passes
+    through unchanged on every rank.
+
+    Use for a replicated value added to a partial sum before the all-reduce that sums it
+    (a bias a fused experts module adds inside its forward): the sum then holds it once.
+    The gradient of that sum is whole on every rank, so each rank's copy of ``x`` gets
+    all of it, as a replicated parameter must.
+    """
+    if group_size(group) == 1:
+        return x
+    return _OnFirstRank.apply(x, group)
 
 
 def sum_over_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:

@@ -287,6 +287,10 @@ class _ReduceHooks(OpHooks):
             saved.setdefault(name, mod._parameters[name])
             # the bias is added once, after the all-reduce (post)
             mod._parameters[name] = torch.zeros_like(_local(mod._parameters[name]))
+        for name in self.op.addends:
+            saved.setdefault(name, mod._parameters[name])
+            # added to the partial sum inside the forward: once, by the first rank
+            mod._parameters[name] = comm.on_first_rank(_local(mod._parameters[name]), self.group)
 
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
         leave = self.backend.exit_reducers.get(id(mod))
