@@ -56,7 +56,12 @@ def _build(family: str, meta: bool = False, **extra: int) -> torch.nn.Module:
     if meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(cfg)
-    return AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # GPT-OSS starts its expert biases at zero: draw them, to see where they are added
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(std=0.5)
+    return model
 
 
 def _batches() -> list[torch.Tensor]:
@@ -246,6 +251,8 @@ def test_world4_ep2_tp2_matches_single_process() -> None:
     cases += [("mixtral", dict(ep=2)), ("mixtral", dict(ep=2, dp_replicate=2))]
     # and with sequence parallelism: the MoE layer is one region (router + dispatch) on all tokens
     cases += [("mixtral", dict(tp=2, ep=2, sequence_parallel=True))]
+    # TP inside the experts with a bias their forward adds: one TP rank adds it
+    cases += [("gpt_oss", dict(tp=2, ep=2))]
     results = run_distributed(_session, 4, cases)
     for i, (fam, _) in enumerate(cases):
         _check_training(results, f"{fam}/{i}")
