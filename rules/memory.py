@@ -87,4 +87,56 @@ def scatter(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(place_atoms(old, src_atoms, nd, dim, size, idx, an))
 
 
-MEMORY_RULES = [factory, copy, scatter]
+_ZERO_FILLS = (aten.zeros, aten.zeros_like, aten.new_zeros, aten.zero, aten.zero_)
+_VALUE_FILLS = (aten.full, aten.full_like, aten.new_full, aten.fill, aten.fill_)
+
+
+def _zeros(node: object) -> bool:
+    """Is ``node`` a fresh tensor of zeros (``torch.zeros_like(h)``, ``h.new_zeros(...)``)?"""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in _ZERO_FILLS:
+        return True
+    if packet in _VALUE_FILLS:  # full(size, 0) / fill(t, 0): the value follows the size or tensor
+        value = node.args[-1] if len(node.args) >= 2 else node.kwargs.get("fill_value", node.kwargs.get("value"))
+        return isinstance(value, int | float) and value == 0
+    return False
+
+
+@rule(aten.index_add, aten.index_add_)
+def index_add(an: Analysis, node: torch.fx.Node) -> object:
+    """``base`` with ``source``'s rows added at ``index`` along ``dim`` (an expert loop's
+    ``out.index_add_(0, token_idx, expert_out)``).  Linear in both: partial sums added
+    into zeros or into partial sums stay partial sums; features along the other dims
+    are carried as by elementwise addition."""
+    base, source = node.args[0], node.args[3]
+    bv, sv = an.val(base), an.val(source)
+    if isinstance(bv, Partial) or isinstance(sv, Partial):
+        parts = [v for v in (bv, sv) if isinstance(v, Partial)]
+        others_zero = all(isinstance(v, Partial) or _zeros(n) for n, v in ((base, bv), (source, sv)))
+        if others_zero and not any(isinstance(v, Feat) for v in (bv, sv)):
+            return Partial(tuple(r for p in parts for r in p.rows))
+        an.reduce_partials(node)
+        return None
+    if not isinstance(bv, Feat) and not isinstance(sv, Feat):
+        return None
+    nd = an.ndim(node)
+    dim = node.args[1] % nd
+    feats = [np.take(an.aligned_to(v.atoms, nd), [0], axis=dim) for v in (bv, sv) if isinstance(v, Feat)]
+    if any(an.aligned_to(v.atoms, nd).shape[dim] > 1 for v in (bv, sv) if isinstance(v, Feat)):
+        an.poison_node(node, "index_add along sharded features", bv, sv)
+        return None
+    out = feats[0]
+    for other in feats[1:]:
+        an.union(out, other)
+        shape = np.broadcast_shapes(out.shape, other.shape)
+        a, b = np.broadcast_to(out, shape), np.broadcast_to(other, shape)
+        out = np.where(a >= 0, a, b)
+    if any(not isinstance(v, Feat) and not _zeros(n) for n, v in ((base, bv), (source, sv))):
+        an.poison_node(node, "index_add of split features and a whole tensor", bv, sv)
+        return None
+    return an.feat(out)
+
+
+MEMORY_RULES = [factory, copy, scatter, index_add]

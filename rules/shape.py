@@ -254,6 +254,9 @@ def select(an: Analysis, node: torch.fx.Node) -> object:
     v = an.val(src)
     if isinstance(v, Partial):
         return v
+    if isinstance(v, ParamRef):  # one expert of stacked weights (``gate_up_proj[e]``, e an int)
+        d = node.args[1] % len(v.dims)
+        return ParamRef(v.fqn, v.dims[:d] + v.dims[d + 1:], v.is_buffer)
     atoms = _atoms(an, src)
     if atoms is None:
         return None

@@ -25,7 +25,7 @@ __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
-             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss"}
+             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -113,7 +113,15 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2 if name == "olmoe" else 1, num_experts=4, num_experts_per_tok=2,
             vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
-    if name == "gpt_oss":  # expert biases added to the partial sum inside the experts' forward
+    if name == "mixtral_loop":  # transformers' per-expert loop: data-dependent, captured over every expert
+        return hf.MixtralForCausalLM, hf.MixtralConfig(
+            hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            experts_implementation="eager", **kw)
+    if name in ("gpt_oss", "gpt_oss_loop"):  # expert biases added to the partial sum inside the experts' forward
+        if name == "gpt_oss_loop":
+            kw["experts_implementation"] = "eager"
         return hf.GptOssForCausalLM, hf.GptOssConfig(
             hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,

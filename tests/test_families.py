@@ -44,8 +44,9 @@ CASES_TP2 = [
     # statistics over split features: q_norm / k_norm over all heads, BitNet's sub-norms
     ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"),
     ("bitnet", "sdpa"), ("bitnet", "eager"), ("olmoe", "sdpa"), ("olmoe", "eager"),
-    # a bias added to the experts' partial sum inside their forward
-    ("gpt_oss", "eager"),
+    # a bias added to the experts' partial sum inside their forward; transformers'
+    # per-expert loop (experts_implementation="eager"), captured over every expert
+    ("gpt_oss", "eager"), ("gpt_oss_loop", "eager"), ("mixtral_loop", "sdpa"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 

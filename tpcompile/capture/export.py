@@ -25,6 +25,7 @@ is only analysed, never run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import io
 import logging
 import sys
@@ -198,7 +199,15 @@ def _export(model: nn.Module, args: tuple, kwargs: dict,
     else:
         sys.stderr.write(told.getvalue())  # what the model itself printed while traced
         return ep
-    with every_position_nonzero():  # data-dependent loops run over every position
+    # data-dependent loops run over every position: first as Python ints (a loop that
+    # compares the index it picked, ``if expert_idx == num_experts``, reads a plain
+    # value), then as a tensor (code that reshapes what ``nonzero`` returned)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), quiet_traces(), every_position_nonzero(ints=True):
+            return _export_once(model, args, kwargs, preserve)
+    except Exception:  # noqa: BLE001 - the tensor form below raises what is left
+        pass
+    with every_position_nonzero():
         return _export_once(model, args, kwargs, preserve)
 
 
@@ -255,12 +264,16 @@ def _all_positions(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def every_position_nonzero() -> Iterator[None]:
-    """``nonzero`` (and one-argument ``where``) as if every entry were true."""
+def every_position_nonzero(ints: bool = False) -> Iterator[None]:
+    """``nonzero`` (and one-argument ``where``) as if every entry were true; with ``ints``
+    the two-dimensional form is a list of index lists (Python ints), so that code iterating
+    over it picks plain values instead of tensors that only real data could compare."""
     originals = (torch.nonzero, torch.Tensor.nonzero, torch.where)
     plain_where = torch.where
 
     def nonzero(t: torch.Tensor, *, as_tuple: bool = False, **_: Any) -> Any:
+        if ints and not as_tuple:
+            return [list(i) for i in itertools.product(*(range(int(n)) for n in t.shape))]
         idx = _all_positions(t)
         return tuple(idx.unbind(-1)) if as_tuple else idx
 

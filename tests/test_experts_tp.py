@@ -1,4 +1,5 @@
-"""A replicated parameter added to a partial sum inside the module that computed it.
+"""Experts under plain TP: a bias added to a partial sum inside the module that computed
+it, and transformers' per-expert loop.
 
 GPT-OSS's fused experts add ``down_proj_bias[expert_ids]`` to each token's partial
 ``down_proj`` product before the routing weights and the sum over slots.  The plan now
@@ -6,7 +7,8 @@ splits the experts (gate/up column, down row) and lets one rank add the bias
 (``ReduceOutput.addends``), instead of keeping every expert whole; a parameter that is also
 read otherwise, or a constant added to the partial sum, keeps the region whole as before.
 Exactness over gloo (outputs, loss, every gradient, an AdamW step, generate, FSDP2 x TP
-training) is in test_families.py; the runtime's first-rank identity in test_comm.py.
+training) is in test_families.py; the runtime's first-rank identity in test_comm.py;
+the loop path's exactness in test_families.py (mixtral_loop, gpt_oss_loop).
 """
 
 from __future__ import annotations
@@ -90,3 +92,21 @@ def test_what_one_rank_cannot_add_is_not_added_to_a_partial_sum(extra: str) -> N
     if extra == "reused":
         whole = {k["name"]: k["because"] for k in plan.kept_whole()}
         assert "also read otherwise" in whole["ffn.up"], whole
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_the_per_expert_loop_is_captured_and_split(family: str) -> None:
+    # transformers' eager experts: ``for expert_idx in mask.nonzero(): if expert_idx ==
+    # num_experts: continue`` compares a picked index (a capture error before); traced over
+    # every expert with plain ints, each expert's ``gate_up_proj[e]`` is the stacked weight
+    # and ``index_add_`` carries the partial sums
+    cfg = hf.AutoConfig.for_model(family, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                  num_experts_per_tok=2, vocab_size=256, experts_implementation="eager")
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(cfg)
+    plan = tpcompile.plan_model(model, tp=2)
+    roles = plan.roles()
+    experts = "model.layers.0.mlp.experts."
+    assert (roles[experts + "gate_up_proj"], roles[experts + "down_proj"]) == ("column", "row")
+    assert plan.over_ideal() <= 1.05
