@@ -25,8 +25,8 @@ is only analysed, never run.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import io
+import itertools
 import logging
 import sys
 import time
