@@ -54,6 +54,8 @@ CASES = {  # family, attention, transform / parallelize keywords
     "llama_eager": ("llama", "eager", {}),
     "qwen3_sp": ("qwen3", "sdpa", {"sequence_parallel": True}),
     "mixtral": ("mixtral", "sdpa", {}),
+    # a region the plan keeps whole still runs in FP8 (every rank casts the whole tensors)
+    "llama_whole_attention": ("llama", "sdpa", {"overrides": {r"re:model\.layers\.\d+\.self_attn\..*": "replicated"}}),
 }
 
 
@@ -544,6 +546,40 @@ def _check(r: dict, gathers: bool = False) -> None:
 def test_fp8_under_tp_equals_single_process_torchao(world2: CaseResults, case: str) -> None:
     for r in world2[case]:
         _check(r)
+
+
+@pytest.mark.slow
+def test_fp8_runs_the_projections_a_plan_keeps_whole(world2: CaseResults) -> None:
+    for r in world2["llama_whole_attention"]:
+        assert {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo"} <= set(r["chosen"]), r
+
+
+class _RoutedMlp(torch.nn.Module):
+    """An MoE written with ``nn.Linear``s: a router whose scores a ``topk`` reads, experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.scorer = torch.nn.Linear(32, 16, bias=False)  # 16 experts: FP8-able dims
+        self.experts = torch.nn.Parameter(torch.randn(16, 32, 32))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        weights, ids = self.scorer(h).softmax(-1).topk(2, dim=-1)
+        out = sum(w.unsqueeze(-1) * torch.einsum("bsh,bshk->bsk", h, self.experts[i])
+                  for w, i in zip(weights.unbind(-1), ids.unbind(-1), strict=True))
+        return self.head(out)
+
+
+def test_fp8_keeps_routers_and_the_head_in_high_precision() -> None:
+    from tpcompile.runtime.fp8 import fp8_modules
+
+    with torch.device("meta"):
+        model = _RoutedMlp()
+        plan = tpcompile.plan_model(model, tp=1)
+    assert plan.routers == ["scorer"]  # found from the dataflow: its scores feed the topk
+    assert "scorer" not in fp8_modules(model, plan) and "head" not in fp8_modules(model, plan)
 
 
 @pytest.mark.slow

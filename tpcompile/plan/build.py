@@ -36,7 +36,7 @@ from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
 from ..config import check_degree
 from ..errors import TPError
-from .experts import expert_plans
+from .experts import expert_plans, find_routers
 from .modules import (
     EnterRegion,
     GatherOutput,
@@ -133,6 +133,7 @@ def plan_model(
     plan.ep = ep
     plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
                                 retrace=lambda: capture(model, example_kwargs=example_inputs).graph)
+    plan.routers = sorted({m for r in find_routers(cap.graph, cap.param_of_placeholder) for m in cap.stacks.expand(r)})
     _check_overrides(plan, overrides)
     if sequence_parallel and tp > 1:
         from .sequence import plan_sequence

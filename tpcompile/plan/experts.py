@@ -36,10 +36,13 @@ from ..analysis.propagate import innermost_module
 from ..errors import TPError
 from .types import ExpertsPlan
 
-__all__ = ["ExpertsFound", "expert_plans", "find_experts"]
+__all__ = ["ExpertsFound", "expert_plans", "find_experts", "find_routers"]
 
 aten = torch.ops.aten
 # ops that only reinterpret a parameter: the result still "is" the parameter
+# contractions: a router's scores come from one, and the walk back from topk stops there
+_CONTRACTIONS = {aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default,
+                 aten.bmm.default, aten.einsum.default}
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.view.default,
           aten.reshape.default, aten._to_copy.default, aten.to.dtype, aten.alias.default,
           aten.expand.default, aten.contiguous.default, aten.clone.default}
@@ -131,6 +134,33 @@ def find_experts(graph: fx.Graph, param_of_placeholder: dict[str, str]) -> dict[
                        if f.rpartition(".")[0] == owner and len(s) >= 2 and s[0] == e)
         found[owner] = ExpertsFound(num_experts=e, params=names)
     return found
+
+
+def find_routers(graph: fx.Graph, param_of_placeholder: dict[str, str]) -> list[str]:
+    """The modules whose parameter a contraction reads to make the scores a ``topk``
+    chooses experts from (walking back from each ``topk`` input, stopping at the first
+    contraction on every path): an MoE router, however it is written or named."""
+    owners: set[str] = set()
+    for topk in graph.nodes:
+        if topk.op != "call_function" or topk.target is not aten.topk.default:
+            continue
+        stack, seen = [topk.args[0]], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, fx.Node) or node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            if node.target in _CONTRACTIONS:
+                for a in _flat_nodes((node.args, node.kwargs)):
+                    src = a
+                    while src.op == "call_function" and src.target in _VIEWS:
+                        src = src.args[0]
+                    fqn = param_of_placeholder.get(src.name) if src.op == "placeholder" else None
+                    if fqn is not None:
+                        owners.add(fqn.rpartition(".")[0])
+                continue
+            stack.extend(_flat_nodes((node.args, node.kwargs)))
+    return sorted(owners)
 
 
 def _size_attrs(model: nn.Module, found: dict[str, ExpertsFound], ep: int, graph: fx.Graph,

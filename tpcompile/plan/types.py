@@ -146,6 +146,8 @@ class Plan:
     # stacked-experts modules (every MoE layer), and the expert-parallel degree planned for
     experts: dict[str, ExpertsPlan] = field(default_factory=dict)
     ep: int = 1
+    # modules whose linear scores an MoE's topk (every block): kept high precision by fp8
+    routers: list[str] = field(default_factory=list)
     # sequence parallelism (tpcompile.plan.sequence.plan_sequence): where the residual stream
     # is split and gathered; ``None``: off
     sequence: SequencePlan | None = None
@@ -175,7 +177,8 @@ class Plan:
         return replace(self, model_class=model_class, params=params, modules=modules,
                        blocks=[b for b in map(module_name, self.blocks) if b is not None],
                        experts={module_name(k): replace(x, fqn=module_name(k)) for k, x in self.experts.items()
-                                if module_name(k) is not None})
+                                if module_name(k) is not None},
+                       routers=[r for r in map(module_name, self.routers) if r is not None])
 
     def over_ideal(self) -> float:
         """One rank's parameter elements over the ideal share (all of them / tp): 1.0 when

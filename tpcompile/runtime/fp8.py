@@ -82,12 +82,18 @@ def fp8_modules(model: nn.Module, plan: Plan,
                 fp8_filter: Callable[[nn.Module, str], bool] | None = None) -> dict[str, Fp8Spec]:
     """The projections to run in FP8, by module name, with their split operands.
 
-    Default: every ``nn.Linear`` the plan splits (column- or row-parallel; so not the LM
-    head, whose logits stay high precision, nor routers and other replicated linears)
-    whose global and local dims are multiples of 16.  ``fp8_filter(module, fqn)`` replaces
-    the default choice among the linears (the multiple-of-16 rule still applies).
+    Default: what torchao's ``convert_to_float8_training`` converts, as torchtitan uses it:
+    every ``nn.Linear`` whose global and local dims are multiples of 16, split or kept
+    whole by the plan, but the LM head (its logits stay high precision: the plan's
+    ``lm_head`` role, or the model's ``get_output_embeddings()``) and MoE routers (the
+    plan's ``routers``, found from the dataflow: their scores choose the experts).  A
+    linear the plan keeps whole has no split operand: every rank casts the whole tensor.
+    ``fp8_filter(module, fqn)`` replaces the default choice among the linears (the
+    multiple-of-16 rule still applies).
     """
     out: dict[str, Fp8Spec] = {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    routers = set(plan.routers)
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear:
             continue
@@ -100,7 +106,7 @@ def fp8_modules(model: nn.Module, plan: Plan,
         if fp8_filter is not None:
             if not fp8_filter(mod, name):
                 continue
-        elif pp.role not in (Role.COLUMN, Role.ROW):
+        elif pp.role is Role.LM_HEAD or mod is head or name in routers:
             continue
         row = pp.role is Role.ROW and pp.shard_dim == 1
         column = pp.role is Role.COLUMN and pp.shard_dim == 0
