@@ -176,12 +176,7 @@ def activation_matmul(
     if x_k is not None and y_k is not None:
         an.union(np.swapaxes(x_k, -1, -2), y_k)
     parts = [p for p in (x_m, y_n) if p is not None]
-    out = parts[0]
-    if len(parts) == 2:
-        an.union(parts[0], parts[1])
-        shape = np.broadcast_shapes(parts[0].shape, parts[1].shape)
-        a, b = np.broadcast_to(parts[0], shape), np.broadcast_to(parts[1], shape)
-        out = np.where(a >= 0, a, b)
+    out = an.tie(parts)  # x's rows and y's columns (at most two parts)
     return an.feat(out)
 
 
@@ -397,12 +392,7 @@ def einsum(an: Analysis, node: torch.fx.Node) -> object:
         atoms = np.transpose(atoms, [labels.index(lab) for lab in order if lab in labels])
         parts.append(atoms.reshape([atoms.shape[[x for x in order if x in labels].index(lab)]
                                     if lab in labels else 1 for lab in order]))
-    full = parts[0]
-    for other in parts[1:]:  # features meeting at one position are tied
-        an.union(full, other)
-        shape = np.broadcast_shapes(full.shape, other.shape)
-        a, b = np.broadcast_to(full, shape), np.broadcast_to(other, shape)
-        full = np.where(a >= 0, a, b)
+    full = an.tie(parts)  # features meeting at one position are tied
     for labels, v in zip(ins, vals, strict=True):
         summed = [order.index(lab) for lab in labels if lab in contracted]
         # a replicated operand summed against features that vary along the summed label

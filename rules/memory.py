@@ -123,16 +123,11 @@ def index_add(an: Analysis, node: torch.fx.Node) -> object:
         return None
     nd = an.ndim(node)
     dim = node.args[1] % nd
-    feats = [np.take(an.aligned_to(v.atoms, nd), [0], axis=dim) for v in (bv, sv) if isinstance(v, Feat)]
-    if any(an.aligned_to(v.atoms, nd).shape[dim] > 1 for v in (bv, sv) if isinstance(v, Feat)):
+    aligned = [an.aligned_to(v.atoms, nd) for v in (bv, sv) if isinstance(v, Feat)]
+    if any(atoms.shape[dim] > 1 for atoms in aligned):
         an.poison_node(node, "index_add along sharded features", bv, sv)
         return None
-    out = feats[0]
-    for other in feats[1:]:
-        an.union(out, other)
-        shape = np.broadcast_shapes(out.shape, other.shape)
-        a, b = np.broadcast_to(out, shape), np.broadcast_to(other, shape)
-        out = np.where(a >= 0, a, b)
+    out = an.tie(aligned)
     if any(not isinstance(v, Feat) and not _zeros(n) for n, v in ((base, bv), (source, sv))):
         an.poison_node(node, "index_add of split features and a whole tensor", bv, sv)
         return None

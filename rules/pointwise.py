@@ -81,12 +81,7 @@ def pointwise(an: Analysis, node: torch.fx.Node) -> object:
     feats = [an.aligned_to(an.val(a).atoms, nd) for a in args if isinstance(an.val(a), Feat)]
     if not feats:
         return _param_through(an, node, args)
-    out = feats[0]
-    for other in feats[1:]:
-        an.union(out, other)
-        shape = np.broadcast_shapes(out.shape, other.shape)
-        a, b = np.broadcast_to(out, shape), np.broadcast_to(other, shape)
-        out = np.where(a >= 0, a, b)
+    out = an.tie(feats)
     for a in args:
         v = an.val(a)
         if isinstance(v, Feat):

@@ -427,6 +427,18 @@ class Analysis:
             self._edges_a.append(a[keep])
             self._edges_b.append(b[keep])
 
+    def tie(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """Tie the atoms of ``parts`` that meet position by position (elementwise math,
+        broadcasting) and return the merged atoms: each position's first atom (``-1``:
+        none there)."""
+        out = parts[0]
+        for other in parts[1:]:
+            self.union(out, other)
+            shape = np.broadcast_shapes(out.shape, other.shape)
+            a, b = np.broadcast_to(out, shape), np.broadcast_to(other, shape)
+            out = np.where(a >= 0, a, b)
+        return out
+
     def union_along(self, atoms: np.ndarray, dims: Sequence[int]) -> np.ndarray:
         """Tie all atoms along ``dims`` (a contraction or reduction); returns the result
         with those dims kept at size 1."""
