@@ -36,6 +36,7 @@ from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
 from ..config import check_degree
 from ..errors import TPError
+from .cache import cached_plan, plan_key
 from .experts import expert_plans, find_routers
 from .modules import (
     EnterRegion,
@@ -82,7 +83,9 @@ def plan_model(
     parallelism, applied by :func:`tpcompile.parallelize`) the expert count must divide
     by it and the attributes holding it are found.  ``rules`` extend the built-in ones
     (:mod:`tpcompile.rules`), later wins: feature rules steer the analysis, token rules
-    which code ``sequence_parallel`` may run on a slice of the tokens.
+    which code ``sequence_parallel`` may run on a slice of the tokens.  With
+    ``TPCOMPILE_PLAN_CACHE=<dir>`` set, the plan is traced once per model and arguments
+    and read back by every other rank and run (:mod:`tpcompile.plan.cache`).
 
     Example:
         >>> with torch.device("meta"):
@@ -93,6 +96,14 @@ def plan_model(
     """
     check_degree("tp", tp)
     check_degree("ep", ep)
+    arguments = dict(tp=tp, loss_parallel=loss_parallel, overrides=overrides, strict=strict,
+                     example_inputs=example_inputs, ep=ep, sequence_parallel=sequence_parallel)
+    return cached_plan(plan_key(model, arguments, rules), lambda: _plan(model, rules=rules, **arguments))
+
+
+def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rule | TokenRule] | None,
+          overrides: dict[str, str] | None, strict: bool, example_inputs: dict[str, Any] | None, ep: int,
+          sequence_parallel: bool) -> Plan:
     t0 = time.perf_counter()
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
