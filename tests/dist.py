@@ -1,7 +1,8 @@
 """Run a function on ``N`` real CPU processes joined by a gloo process group.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters
-(start method "spawn", so nothing is inherited by fork), initializes
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (forked
+from the launcher's fork server, which imported torch and transformers once: a launch
+costs well under a second; each rank is a new process all the same), initializes
 ``torch.distributed`` with the gloo backend over TCP on 127.0.0.1 in each, calls
 ``fn(rank, world_size, *args)`` and returns the per-rank return values in rank
 order.  An exception on any rank is re-raised in the parent with the child's
@@ -13,9 +14,9 @@ importable module (e.g. a test module, whose directory is on ``sys.path``).  The
 processes are launched by the project's one launcher, ``tpcompile.tools.launch``; this
 module adds the tests' import path, their exception types and the case batching below.
 
-``run_cases(world_size, cases)`` runs many named cases in that one launch (a launch
-costs ~10-20 s of interpreter start-up and imports, usually more than the case itself);
-each test then reads its own case from the result and fails with the case's name.
+``run_cases(world_size, cases)`` runs many named cases in that one launch (each case
+then skips the model-module imports and plans the others already made); each test reads
+its own case from the result and fails with the case's name.
 
 With ``TPCOMPILE_TEST_POOL=1`` the ranks of one world size are started once per test
 session and reused by every run (:class:`tpcompile.tools.launch.LocalPool`: a fresh

@@ -3,6 +3,13 @@
 The project's one launcher: the CLI's ``demo`` and ``verify`` (both check a transformed
 model against a single-process copy on a laptop, without torchrun), the test harness
 and the benchmarks all spawn their ranks with :func:`spawn_local`.
+
+Ranks start from a fork server where the platform has one: a process that imported
+torch and transformers once and forks a fresh rank per request, so a launch pays for
+neither the interpreter nor its imports again (a fresh interpreter per rank costs 5-15 s
+on a busy 2-core host, mostly importing torch).  Each rank is still a new process: it
+takes the launching process's environment, ``sys.path`` and working directory at launch
+time, and shares nothing with earlier ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +33,24 @@ __all__ = ["LocalPool", "WorkerFailed", "free_port", "spawn_local"]
 
 _COLLECTIVE_TIMEOUT_S = 300
 _POLL_S = 0.2
+# what the fork server imports once for every rank it forks (absent ones are skipped)
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
+            "transformers.modeling_layers", "transformers.masking_utils", "transformers.generation", "tpcompile"]
+
+
+def _context() -> Any:
+    """Fork-server processes where the platform has them (ranks fork from one interpreter
+    that imported :data:`_PRELOAD` once), else fresh interpreters ("spawn").  Never plain
+    fork: the launching process may hold threads and locks a fork would copy mid-use."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; later calls change nothing
+    return ctx
 
 
 class WorkerFailed(RuntimeError):
@@ -74,21 +99,20 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float 
         >>> spawn_local(my_module.check, 2, "llama")     # doctest: +SKIP
         [True, True]
     """
-    import torch.multiprocessing as mp
-
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if collective_timeout is None:
         collective_timeout = timeout if timeout is not None else _COLLECTIVE_TIMEOUT_S
     payload = pickle.dumps((fn, args))  # a pickling error surfaces here, in the caller
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs: list[BaseProcess] = []
     try:
         for rank in range(nprocs):
             proc = ctx.Process(target=_child, daemon=True,
-                               args=(rank, nprocs, port, collective_timeout, torchrun_env, payload, results))
+                               args=(rank, nprocs, port, collective_timeout, torchrun_env, payload, results,
+                                     dict(os.environ)))
             proc.start()
             procs.append(proc)
         values = _collect(procs, results, timeout)
@@ -102,8 +126,10 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float 
 
 
 def _child(rank: int, nprocs: int, port: int, collective_timeout: float, torchrun_env: bool,
-           payload: bytes, results: Any) -> None:
+           payload: bytes, results: Any, environ: dict[str, str]) -> None:
     """One spawned rank: join the group, run ``fn``, report ``(rank, ok, pickled data)``."""
+    os.environ.clear()  # the launcher's environment now, not the fork server's at its start
+    os.environ.update(environ)
     torch.set_num_threads(1)  # nprocs processes share few cores; avoid oversubscription
     reported = False
     try:
