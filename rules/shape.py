@@ -232,6 +232,24 @@ def squeeze(an: Analysis, node: torch.fx.Node) -> object:
     return _relayout(an.val(src), drop_atoms, lambda dims: tuple(dims[d] for d in keep))
 
 
+@rule(aten.view_as_complex)
+def view_as_complex(an: Analysis, node: torch.fx.Node) -> object:
+    """``[..., n, 2]`` real pairs read as ``n`` complex numbers (Llama 4's rotary): the two
+    parts of a number are one feature from here on, so the pair is tied."""
+    atoms = an.input_atoms(node)
+    if atoms is None:
+        return None
+    return an.feat(an.union_along(atoms, [atoms.ndim - 1]).reshape(atoms.shape[:-1]))
+
+
+@rule(aten.view_as_real)
+def view_as_real(an: Analysis, node: torch.fx.Node) -> object:
+    """``n`` complex numbers as ``[..., n, 2]`` real pairs: both parts carry the number's
+    feature (a size-1 dim broadcasts it)."""
+    atoms = an.input_atoms(node)
+    return None if atoms is None else an.feat(atoms[..., None])
+
+
 @rule(aten.slice)
 def slice_(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
@@ -354,4 +372,5 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.concatenate(full, axis=dim))
 
 
-SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze, slice_, select, split, getitem, cat]
+SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze,
+               slice_, select, split, getitem, cat, view_as_complex, view_as_real]

@@ -11,7 +11,9 @@ Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts),
 OLMo-2 / OLMo-3 (``q_norm`` / ``k_norm`` over all heads) and BitNet (sub-norms over the
 split attention output and MLP features): statistics over split features; OLMoE (the same
 norms over 2 KV heads, or one: split at tp=2, at tp=4 the 2 KV heads keep the attention
-whole as before while one KV head splits the queries only).
+whole as before while one KV head splits the queries only); Llama 4 (rotary as complex
+multiplication through ``view_as_complex``, chunked attention, a layer without rotary,
+MoE layers interleaved with dense ones).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -25,7 +27,8 @@ __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
-             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop"}
+             "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
+             "llama4_text"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -127,6 +130,12 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
             layer_types=["sliding_attention", "full_attention"], sliding_window=8, vocab_size=256,
             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "llama4_text":  # complex rotary (view_as_complex), chunked attention, a NoPE layer, MoE
+        return hf.Llama4ForCausalLM, hf.Llama4TextConfig(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+            intermediate_size_mlp=128, num_hidden_layers=4, interleave_moe_layer_step=2, num_local_experts=4,
+            num_experts_per_tok=1, no_rope_layer_interval=4, attention_chunk_size=4, floor_scale=4,
+            vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

@@ -47,6 +47,8 @@ CASES_TP2 = [
     # a bias added to the experts' partial sum inside their forward; transformers'
     # per-expert loop (experts_implementation="eager"), captured over every expert
     ("gpt_oss", "eager"), ("gpt_oss_loop", "eager"), ("mixtral_loop", "sdpa"),
+    # rotary as complex multiplication (view_as_complex); a size-valued attribute used as a value
+    ("llama4_text", "sdpa"), ("llama4_text", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
@@ -117,7 +119,8 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 # the classes that broke, at tp=4 where their sizes allow (heads, vocab and MLP divide)
 CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None),
              ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"), ("bitnet", "sdpa"),
-             ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager")]
+             ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
+             ("llama4_text", "sdpa")]
 
 
 @pytest.mark.slow
@@ -282,6 +285,36 @@ class _Baked(torch.nn.Module):
 
 
 _HEADS = 4
+
+
+class _Tempered(torch.nn.Module):
+    """Attention holding its head count twice: once for a view (a shape: made local) and
+    once, by coincidence equal, as a divisor of positions (a value: stays global)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, 32)
+        self.heads, self.floor_scale = 4, 4
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, 8).unbind(2)
+        scale = torch.log1p(torch.floor((torch.arange(s, device=x.device) + 1.0) / self.floor_scale)) + 1.0
+        att = torch.nn.functional.scaled_dot_product_attention(
+            (q * scale[:, None, None]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_size_used_as_a_value_keeps_its_global_value() -> None:
+    """Llama 4's ``floor_scale`` equals its head count; made "local" it changed the scores
+    with every shape still right (7e-4), which no shape check can see."""
+    with torch.device("meta"):
+        model = _Tempered()
+    plan = tpcompile.plan_model(model, tp=2)
+    assert plan.modules[""].attr_fixups == {"heads": [4, 2]}, plan.modules[""].attr_fixups
 
 
 def test_self_check_names_module_op_and_shapes() -> None:

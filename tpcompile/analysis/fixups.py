@@ -223,8 +223,20 @@ def _patched(module: nn.Module, attr: str, local: int) -> Iterator[None]:
         module.__dict__.update(saved)
 
 
-def _signature(graph: fx.Graph) -> list[tuple[str, str, str]]:
-    return [(n.op, str(n.target), repr(n.args)) for n in graph.nodes]
+def _shapes(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    if isinstance(val, list | tuple):
+        return tuple(_shapes(v) for v in val)
+    return None
+
+
+def _signature(graph: fx.Graph) -> list[tuple[str, str, Any]]:
+    """The graph's ops and the shapes they make, not its constants: a size only has to
+    be rank-local where a shape depends on it.  An attribute that merely equals a split
+    size and enters the math as a value (Llama 4's ``floor_scale`` = 4 = the head count,
+    a divisor of positions) changes constants only, and must keep its global value."""
+    return [(n.op, str(n.target), _shapes(n.meta.get("val"))) for n in graph.nodes]
 
 
 def verify_fixups(
