@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from tpcompile.tools.launch import LocalPool, WorkerFailed, free_port, spawn_local
 
-__all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "refusal", "run_cases", "run_distributed"]
+__all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "plan_ahead", "refusal", "run_cases",
+           "run_distributed"]
 
 _TESTS_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _TESTS_DIR.parent
@@ -102,6 +103,27 @@ def run_distributed(
         if exc.kind == "timeout":
             raise TimeoutError(str(exc)) from None
         raise
+
+
+def plan_ahead(rank: int, world: int, jobs: list[tuple[Callable[..., Any], tuple, dict[str, Any]]]) -> int:
+    """Plan this rank's share of ``jobs`` (every ``world``-th ``(build, args, planning)``:
+    ``plan_model(build(*args), **planning)``) into the session's plan cache; how many.
+
+    Every rank of a launch plans the same models; through the cache the first rank to
+    ask plans while the others wait on its lock, so the launch plans on one core at a
+    time.  Planned ahead, split over the ranks, the plans are made side by side and each
+    case's own ``transform`` reads its plan.  A refusal is stored too (the case raises
+    it); a job whose planning warns is not stored and is planned again by its case."""
+    import tpcompile
+
+    planned = 0
+    for build, args, planning in jobs[rank::world]:
+        try:
+            tpcompile.plan_model(build(*args), **planning)
+            planned += 1
+        except Exception:  # noqa: BLE001 - the case that transforms this model reports it
+            continue
+    return planned
 
 
 _POOLS: dict[int, LocalPool] = {}

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 import transformers as hf
-from dist import global_step, run_distributed
+from dist import global_step, plan_ahead, run_distributed
 from families import GENERATES, build
 from test_transform import grad_errors
 
@@ -113,6 +113,7 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
 
 
 def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
+    plan_ahead(rank, world, [(build, (n, a), {"tp": world}) for n, a in cases])
     return {f"{n}/{a}": _one(rank, world, n, a, tmp) for n, a in cases}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist import CaseResults, free_port, kill_at_marker, run_cases
+from dist import CaseResults, free_port, kill_at_marker, plan_ahead, run_cases
 from plain import plain_logits
 
 import tpcompile
@@ -46,6 +46,7 @@ def _state_dict_diffs(got: dict, want: dict) -> list[str]:
 
 
 def _round_trip(rank: int, world: int, cases: list) -> dict[str, list[str]]:
+    plan_ahead(rank, world, [(_build, (name, overrides), {"tp": world}) for name, overrides in cases])
     out = {}
     for name, overrides in cases:
         ref = _build(name, overrides)

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import plan_ahead, run_distributed
 from test_transform import grad_errors
 
 import tpcompile
@@ -124,6 +124,8 @@ def _fsdp_case(rank: int, kwargs: dict) -> list[float]:
 
 
 def _session(rank: int, world: int, cases: list[tuple], fsdp: list[tuple[str, dict]]) -> dict:
+    plan_ahead(rank, world, [(_build, case[:2], {"tp": world, "sequence_parallel": True, **dict(case[3])})
+                             for case in cases])
     out: dict = {case: _case(rank, world, *case[:3], dict(case[3])) for case in cases}
     out.update({name: _fsdp_case(rank, kwargs) for name, kwargs in fsdp})
     return out

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from dist import CaseResults, run_cases
+from dist import CaseResults, plan_ahead, run_cases
 from torch.distributed.tensor import DTensor
 
 import tpcompile
@@ -103,7 +103,9 @@ def _case(name: str, tp: int, overrides: dict) -> str:
 
 def _cases(world: int) -> dict[str, tuple]:
     """Every case this module runs at ``world`` processes, by name."""
-    cases: dict[str, tuple] = {_case(*c): (_equivalence, *c) for c in CASES if c[1] == world}
+    jobs = [(_build, (name, overrides), {"tp": tp}) for name, tp, overrides in CASES if tp == world]
+    cases: dict[str, tuple] = {"plans": (plan_ahead, jobs)}  # first: the ranks plan side by side
+    cases.update({_case(*c): (_equivalence, *c) for c in CASES if c[1] == world})
     if world == 2:
         cases.update({"generate": (_generate,), "loss_parallel": (_loss_parallel,),
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,)})
