@@ -288,15 +288,12 @@ class _Baked(torch.nn.Module):
 _HEADS = 4
 
 
-class _Tempered(torch.nn.Module):
+class _Tempered(_Baked):
     """Attention holding its head count twice: once for a view (a shape: made local) and
     once, by coincidence equal, as a divisor of positions (a value: stays global)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(64, 32)
-        self.qkv = torch.nn.Linear(32, 96)
-        self.out = torch.nn.Linear(32, 32)
         self.heads, self.floor_scale = 4, 4
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

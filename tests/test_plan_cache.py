@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dataflow import Weird  # an op no rule places (cumprod over split features)
 from transformers import AutoModelForCausalLM
 
 import tpcompile
@@ -47,19 +48,6 @@ def traces(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def _meta(name: str = "llama", **overrides: object) -> torch.nn.Module:
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(tiny_config(name, **overrides))
-
-
-class Weird(torch.nn.Module):
-    """An op no rule places (cumprod over split features)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.e = torch.nn.Embedding(64, 32)
-        self.up = torch.nn.Linear(32, 64)
-        self.down = torch.nn.Linear(64, 32)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.cumprod(self.up(self.e(input_ids)), dim=1))
 
 
 def test_a_second_plan_is_read_not_traced(cache: Path, traces: list[str]) -> None:

@@ -144,8 +144,8 @@ def _model_items(model: nn.Module) -> list | None:
             return None
         if module._forward_hooks or module._forward_pre_hooks:
             return None
-        attrs = sorted((k, _plain(v)) for k, v in vars(module).items()
-                       if not k.startswith("_") and _plain(v) is not None or k == "training")
+        plain = ((k, _plain(v)) for k, v in vars(module).items() if not k.startswith("_"))
+        attrs = sorted((k, v) for k, v in plain if v is not None)  # ``training`` among them
         items.append((name, f"{cls.__module__}.{cls.__qualname__}", attrs))
     items.append(sorted(s for sources in classes.values() for s in sources or ()))
     owners: dict[int, list[str]] = {}

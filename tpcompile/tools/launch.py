@@ -42,11 +42,9 @@ def _context() -> Any:
     """Fork-server processes where the platform has them (ranks fork from one interpreter
     that imported :data:`_PRELOAD` once), else fresh interpreters ("spawn").  Never plain
     fork: the launching process may hold threads and locks a fork would copy mid-use."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; later calls change nothing
