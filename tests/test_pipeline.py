@@ -29,7 +29,7 @@ from typing import Any
 import families
 import pytest
 import torch
-from dist import CaseResults, refusal, run_cases
+from dist import CaseResults, plan_ahead, refusal, run_cases
 from hf_grads import hf_grads
 from transformers import AutoModelForCausalLM
 
@@ -319,9 +319,25 @@ WORLD4 = {
 }
 
 
+def _plans(cases: dict[str, tuple]) -> list[tuple]:
+    """The plans ``parallelize`` makes for the ``_exact`` cases (and ``dump-plan``'s, on
+    meta, for CP and SP), for ``plan_ahead``."""
+    jobs = []
+    for fn, *args in cases.values():
+        if fn is not _exact:
+            continue
+        family, layout = args
+        tp, sp = layout.get("tp", 1), layout.get("sequence_parallel", False)
+        jobs.append((_build, (family, FAMILIES[family]), {"tp": tp, "ep": layout.get("ep", 1),
+                                                          "sequence_parallel": sp and tp > 1}))
+        if layout.get("cp", 1) > 1 or sp:
+            jobs.append((_build, (family, FAMILIES[family], 4, True), {"tp": tp, "sequence_parallel": sp}))
+    return list({repr(job): job for job in jobs}.values())
+
+
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
-    cases: dict = dict(WORLD2)
+    cases: dict = {"plans": (plan_ahead, _plans(WORLD2)), **WORLD2}
     cases.update({"meta": (_meta,), "clip": (_clip,), "refusals": (_refusals,), "memory": (_stage_activations,),
                   "bad_batches": (_bad_batches,)})
     return run_cases(2, cases, timeout=1800)
@@ -329,7 +345,7 @@ def world2() -> CaseResults:
 
 @pytest.fixture(scope="module")
 def world4() -> CaseResults:
-    cases: dict = dict(WORLD4)
+    cases: dict = {"plans": (plan_ahead, _plans(WORLD4)), **WORLD4}
     cases.update({"rs2": (_reduce_scatters, 2), "rs4": (_reduce_scatters, 4)})
     return run_cases(4, cases, timeout=1800)
 

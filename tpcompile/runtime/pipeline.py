@@ -45,7 +45,7 @@ from ..errors import TPError
 from ..plan.stages import Stage, StagePlan
 from .markers import GUARDED_FORWARDS
 
-__all__ = ["PipelineRun", "StageModule", "TiedParameter", "split_model", "sum_tied_gradients"]
+__all__ = ["PipelineRun", "StageModule", "TiedParameter", "shape_key", "split_model", "sum_tied_gradients"]
 
 
 class _Cut(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -86,6 +86,7 @@ class PipelineRun:
     microbatches: list[dict[str, Any]] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     schedules: dict[Any, Any] = field(default_factory=dict)  # by microbatch shapes
+    probed: dict[Any, Boundaries] = field(default_factory=dict)  # shapes(), by microbatch shapes
     hidden_dtype: torch.dtype | None = None  # mixed precision's parameter dtype, if any
     # what the parallelisms applied after the split change at a boundary: CP hands each
     # rank its slice of the microbatch (``localize``: the microbatch as this rank's model
@@ -102,7 +103,14 @@ class PipelineRun:
 
     def shapes(self, microbatch: dict[str, Any]) -> Boundaries:
         """The block boundaries at this microbatch's shapes (a meta forward of the twin on
-        what this rank's model sees), the hidden state's shape as it crosses (split)."""
+        what this rank's model sees), the hidden state's shape as it crosses (split).  Probed
+        once per shape: a fake-tensor forward of the whole model costs as much as a step."""
+        key = shape_key(microbatch)
+        if key not in self.probed:
+            self.probed[key] = self._probe(microbatch)
+        return self.probed[key]
+
+    def _probe(self, microbatch: dict[str, Any]) -> Boundaries:
         for localize in self.localize:
             microbatch = localize(microbatch)
         bounds = probe_boundaries(self.twin, microbatch, self.bounds.blocks)
@@ -110,6 +118,13 @@ class PipelineRun:
         for dim, ways in self.splits:
             shape[dim] = -(-shape[dim] // ways)
         return replace(bounds, hidden_shape=tuple(shape))
+
+
+def shape_key(microbatch: dict[str, Any]) -> tuple:
+    """What a microbatch's boundaries and schedule depend on: each entry's shape and dtype
+    (a non-tensor option by value)."""
+    return tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
+                 for k, v in microbatch.items())
 
 
 class _Absent:

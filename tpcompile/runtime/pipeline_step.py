@@ -20,7 +20,7 @@ from ..errors import TPError
 from ..plan.stages import SCHEDULES
 from .loss import check_labels
 from .markers import differing_ranks
-from .pipeline import PipelineRun, sum_tied_gradients
+from .pipeline import PipelineRun, shape_key, sum_tied_gradients
 from .torch_backend import check_ids
 
 __all__ = ["clip_grad_norm_", "pipeline_step"]
@@ -129,8 +129,7 @@ def _loss_of_output(output: torch.Tensor, target: Any) -> torch.Tensor:
 
 def _schedule(run: PipelineRun, mb: dict[str, Any], m: int, device: torch.device) -> Any:
     """The schedule (and its ``PipelineStage``s) for microbatches shaped like ``mb``."""
-    key = (m, tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
-                    for k, v in mb.items()))
+    key = (m, shape_key(mb))
     if key in run.schedules:
         return run.schedules[key]
     from torch.distributed import pipelining
