@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist import CaseResults, global_step, run_cases
+from dist import CaseResults, global_step, plan_ahead, run_cases
 from hf_grads import hf_grads
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -51,20 +51,28 @@ AFTER = {  # family, attention, LoRA targets (fused layouts included)
 }
 
 
-def _build(name: str = "llama", attn: str = "sdpa") -> torch.nn.Module:
+def _build(name: str = "llama", attn: str = "sdpa", train: bool = True) -> torch.nn.Module:
     cfg = tiny_config(name)
     for key in DROPOUTS:
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
     cfg._attn_implementation = attn
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg).train(train)
 
 
 def _lora(targets: list[str], **kw: Any) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=4, target_modules=targets, lora_dropout=0.0, **kw)
+
+
+def _adapted(cls: str, kw: dict[str, Any], train: bool = True) -> torch.nn.Module:
+    """A PEFT model of ``peft.<cls>(**kw)`` around a fresh ``_build()`` (in eval mode unless ``train``)."""
+    import peft
+
+    base = _build(train=train)
+    return peft.get_peft_model(base, getattr(peft, cls)(**kw))
 
 
 def _hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -149,7 +157,7 @@ def _kinds(rank: int, world: int) -> dict:
         for order in ("after", "before"):
             try:
                 torch.manual_seed(1)
-                ref = peft.get_peft_model(_build(), getattr(peft, cls)(**kw))
+                ref = _adapted(cls, kw)
                 with torch.no_grad():
                     for p in ref.parameters():
                         if p.requires_grad:
@@ -327,9 +335,20 @@ def _resume(rank: int, world: int, out: str) -> dict:
     return {"want": want, "got": got}
 
 
+def _plans(world: int) -> list[tuple]:
+    """What the world-2 cases transform before adapters are added after it (``plan_ahead``;
+    a PEFT model transformed is planned whole, adapters included)."""
+    saved = ("LoraConfig", {"r": 4, "target_modules": ["q_proj", "down_proj"], "lora_dropout": 0.0,
+                            "init_lora_weights": False}, False)  # _before's and _saves' reference
+    builds = [(_build, (name, attn)) for name, attn, _ in AFTER.values()] + [(_build, ("llama", "sdpa", False))]
+    builds += [(_adapted, (cls, kw)) for cls, kw in KINDS.values()] + [(_adapted, saved)]
+    return [(build, args, {"tp": world}) for build, args in builds]
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
-    cases: dict = {key: (_after, *spec) for key, spec in AFTER.items()}
+    cases: dict = {"plans": (plan_ahead, _plans(2))}
+    cases.update({key: (_after, *spec) for key, spec in AFTER.items()})
     for order in ("before", "after"):
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
     cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,),
