@@ -25,9 +25,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..capture.fake import as_if_exporting, fake_copy
 from ..errors import TPError
 
 __all__ = ["Boundaries", "CarriedEntry", "meta_copy", "probe_boundaries", "recorded_outputs", "stack_of"]
@@ -126,32 +125,6 @@ def _owning_modules(model: nn.Module, blocks: set[str]) -> dict[str, nn.Module]:
     return out
 
 
-def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
-    """``model`` as fake tensors (shapes only, and the model's data-dependent checks skip
-    themselves on fake tensors as under ``torch.export``)."""
-    memo: dict[int, Any] = {}
-    with mode:
-        for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            memo[id(p)] = nn.Parameter(torch.empty(local.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        for b in model.buffers():
-            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
-    return copy.deepcopy(model, memo)
-
-
-@contextlib.contextmanager
-def _as_if_exporting() -> Iterator[None]:
-    """Model code takes the path it takes under ``torch.export`` (the capture's): code that
-    asks ``torch.compiler.is_compiling()`` avoids kernels whose fake-tensor rules are
-    stricter than their CPU ones (transformers' grouped-matmul experts, fp32 on CPU)."""
-    original = torch.compiler.is_compiling
-    torch.compiler.is_compiling = lambda: True
-    try:
-        yield
-    finally:
-        torch.compiler.is_compiling = original
-
-
 def _where(err: BaseException, twin: nn.Module) -> str:
     """The innermost module of ``twin`` (name and class) whose code raised ``err``, and the
     source line."""
@@ -176,7 +149,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
     # a shape environment, as torch.export's: a data-dependent value (an expert loop's
     # index) becomes a symbol instead of an error; the boundaries' shapes stay concrete
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    twin = _fake_copy(model, mode)
+    twin = fake_copy(model, mode)
     stack = stack_of(blocks, type(model).__name__)
     owners = _owning_modules(twin, set(blocks))
     order: list[str] = []
@@ -213,7 +186,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
         fake_inputs = tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), dict(inputs))
     try:
         try:
-            with mode, _as_if_exporting(), reads:
+            with mode, as_if_exporting(), reads:
                 twin(**fake_inputs)
         except Exception as err:
             from ..capture.export import data_dependent, every_position_nonzero
@@ -226,7 +199,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
             order.clear(), calls.clear(), first_block.clear(), recorded.clear()
             reads.seen.clear(), reads.watched.clear()
             try:
-                with mode, _as_if_exporting(), reads, every_position_nonzero():
+                with mode, as_if_exporting(), reads, every_position_nonzero():
                     twin(**fake_inputs)
             except Exception as again:
                 if not data_dependent(again):

@@ -30,7 +30,7 @@ from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
-__all__ = ["Local", "apply_fixups", "find_fixups", "global_config", "localize_embedding", "quiet_traces", "verify_fixups"]
+__all__ = ["Local", "apply_fixups", "find_fixups", "global_config", "localize_embedding", "graph_signature", "quiet_traces", "verify_fixups"]
 
 aten = torch.ops.aten
 _CONV = (aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution, aten._convolution)
@@ -223,34 +223,35 @@ def _patched(module: nn.Module, attr: str, local: int) -> Iterator[None]:
         module.__dict__.update(saved)
 
 
-def _shapes(val: Any) -> Any:
-    if isinstance(val, torch.Tensor):
-        return tuple(val.shape)
-    if isinstance(val, list | tuple):
-        return tuple(_shapes(v) for v in val)
-    return None
+def graph_signature(graph: fx.Graph) -> list[tuple[str, str, Any]]:
+    """The graph's ops and the shapes they make, not its constants (for a model only
+    ``torch.export`` can run; :func:`~tpcompile.capture.fake.shape_trace` is the same
+    comparison for one a fake forward can run)."""
+    def shapes(val: Any) -> Any:
+        if isinstance(val, torch.Tensor):
+            return tuple(val.shape)
+        if isinstance(val, list | tuple):
+            return tuple(shapes(v) for v in val)
+        return None
 
-
-def _signature(graph: fx.Graph) -> list[tuple[str, str, Any]]:
-    """The graph's ops and the shapes they make, not its constants: a size only has to
-    be rank-local where a shape depends on it.  An attribute that merely equals a split
-    size and enters the math as a value (Llama 4's ``floor_scale`` = 4 = the head count,
-    a divisor of positions) changes constants only, and must keep its global value."""
-    return [(n.op, str(n.target), _shapes(n.meta.get("val"))) for n in graph.nodes]
+    return [(n.op, str(n.target), shapes(n.meta.get("val"))) for n in graph.nodes]
 
 
 def verify_fixups(
     model: nn.Module,
     fixups: dict[str, dict[str, list[int]]],
-    baseline: fx.Graph,
-    retrace: Callable[[], fx.Graph],
+    signature: Callable[[], Any],
 ) -> dict[str, dict[str, list[int]]]:
-    """Keep the candidates whose local value changes (or breaks) the traced graph.
+    """Keep the candidates whose local value changes (or breaks) the model's ``signature()``:
+    its ops and the shapes they make, not its constants.  A size only has to be rank-local
+    where a shape depends on it; an attribute that merely equals a split size and enters
+    the math as a value (Llama 4's ``floor_scale`` = 4 = the head count, a divisor of
+    positions) must keep its global value.
 
-    One retrace per module class and distinct ``(attribute, global, local)``, set in
-    every such module at once: modules of one class run the same code, so a size either
-    reaches a shape in all of them or in none (T5: 7 retraces instead of 30)."""
-    want = _signature(baseline)
+    One trace per module class and distinct ``(attribute, global, local)``, set in every
+    such module at once: modules of one class run the same code, so a size either
+    reaches a shape in all of them or in none (T5: 7 traces instead of 30)."""
+    want = signature()
     mods = dict(model.named_modules())
     groups: dict[tuple[str, str, int, int], list[str]] = defaultdict(list)
     for mod_name, changes in fixups.items():
@@ -264,7 +265,7 @@ def verify_fixups(
             for name in names:
                 stack.enter_context(_patched(mods[name], attr, local))
             try:
-                matters = _signature(retrace()) != want
+                matters = signature() != want
             except Exception:  # the new value reaches a shape and breaks the trace
                 matters = True
         if matters:

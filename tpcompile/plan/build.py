@@ -13,7 +13,7 @@ import re
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.fixups import find_fixups, verify_fixups
+from ..analysis.fixups import find_fixups, graph_signature, verify_fixups
 from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
 from ..analysis.roles import Analyzed, analyze, key_matches
 from ..analysis.selfcheck import (
@@ -34,6 +34,7 @@ from ..analysis.selfcheck import (
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
+from ..capture.fake import shape_trace
 from ..config import check_degree
 from ..errors import TPError
 from .cache import cached_plan, plan_key
@@ -143,7 +144,7 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
     plan.ep = ep
     plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
-                                retrace=lambda: capture(model, example_kwargs=example_inputs).graph)
+                                signature=_signature(model, example_inputs))
     plan.routers = sorted({m for r in find_routers(cap.graph, cap.param_of_placeholder) for m in cap.stacks.expand(r)})
     _check_overrides(plan, overrides)
     if sequence_parallel and tp > 1:
@@ -183,6 +184,29 @@ def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
     return False
 
 
+def _signature(model: nn.Module, example_inputs: dict[str, Any] | None) -> Callable[[], Any]:
+    """How the fix-ups tell a size that reaches a shape: a fake forward's ops and shapes
+    (a fifth of a trace's time), or the retraced graph's where a fake forward of the
+    model fails (a check only a real trace skips).  Decided at the first call, made on the
+    model as it is (the baseline) before any attribute is changed."""
+    fast: list[bool] = []
+
+    def signature() -> Any:
+        if not fast:
+            try:
+                baseline = shape_trace(model, example_inputs)
+            except Exception:  # noqa: BLE001 - the capture ran this model: its graph answers
+                fast.append(False)
+            else:
+                fast.append(True)
+                return baseline
+        if fast[0]:
+            return shape_trace(model, example_inputs)
+        return graph_signature(capture(model, example_kwargs=example_inputs).graph)
+
+    return signature
+
+
 def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
                   example_inputs: dict[str, Any] | None, *, gathered: bool) -> dict[str, dict[str, list[int]]]:
     """Hard-coded sizes made rank-local, proven by tracing rank 0's localized model.
@@ -190,12 +214,10 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
     Candidates whose local value does not change the traced graph are dropped; sizes
     two attributes share globally are resolved by trying assignments; whatever remains
     inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
-    def retrace() -> fx.Graph:
-        return capture(model, example_kwargs=example_inputs).graph
-
+    signature = _signature(model, example_inputs)
     fixups, ambiguous = find_fixups(a, model)
     if fixups:
-        fixups = verify_fixups(model, fixups, cap.graph, retrace)
+        fixups = verify_fixups(model, fixups, signature)
 
     def trace(shadow: nn.Module) -> fx.Graph:
         inputs = None if example_inputs is None else {
@@ -210,7 +232,7 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
         """Only the attributes the forward turns into a shape (each costs a trace, so this
         runs for the modules the local trace fails in only)."""
         probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in amb.items()}
-        kept = verify_fixups(model, probe, cap.graph, retrace)
+        kept = verify_fixups(model, probe, signature)
         return {m: {k: amb[m][k] for k in attrs} for m, attrs in kept.items()}
 
     problems = check(fixups)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -163,34 +164,34 @@ def find_routers(graph: fx.Graph, param_of_placeholder: dict[str, str]) -> list[
     return sorted(owners)
 
 
-def _size_attrs(model: nn.Module, found: dict[str, ExpertsFound], ep: int, graph: fx.Graph,
-                retrace: Callable[[], fx.Graph]) -> dict[str, dict[str, list[int]]]:
+def _size_attrs(model: nn.Module, found: dict[str, ExpertsFound], ep: int,
+                signature: Callable[[], Any]) -> dict[str, dict[str, list[int]]]:
     """Integer attributes equal to ``E`` that the forward turns into a shape (``histc``
     bins, ``one_hot`` classes): the fix-up machinery keeps those whose local value
-    changes the traced graph, so a width that merely equals ``E`` is left alone."""
+    changes a shape of the forward, so a width that merely equals ``E`` is left alone."""
     candidates: dict[str, dict[str, list[int]]] = {}
     for fqn, info in found.items():
         module = model.get_submodule(fqn)
         attrs = {k: [v, v // ep] for k, v in vars(module).items() if type(v) is int and v == info.num_experts}
         if attrs:
             candidates[fqn] = attrs
-    return verify_fixups(model, candidates, graph, retrace) if candidates else {}
+    return verify_fixups(model, candidates, signature) if candidates else {}
 
 
 def expert_plans(model: nn.Module, graph: fx.Graph, param_of_placeholder: dict[str, str],
                  expand: Callable[[str], list[str]], ep: int,
-                 retrace: Callable[[], fx.Graph]) -> dict[str, ExpertsPlan]:
+                 signature: Callable[[], Any]) -> dict[str, ExpertsPlan]:
     """Every experts module of ``model`` (all blocks) as plan entries for ``ep`` ranks.
 
     ``E % ep != 0`` raises a :class:`TPError` naming the module; the size attributes are
-    verified (one retrace each) only when ``ep > 1``."""
+    verified (one shapes-only forward each, ``signature``) only when ``ep > 1``."""
     found = find_experts(graph, param_of_placeholder)
     for fqn, info in found.items():
         if info.num_experts % ep:
             ok = [d for d in range(1, info.num_experts + 1) if info.num_experts % d == 0]
             raise TPError(f"{fqn} ({type(model.get_submodule(fqn)).__name__}) has {info.num_experts} experts, "
                           f"not divisible by ep={ep}; use an ep that divides it: {ok}")
-    attrs = _size_attrs(model, found, ep, graph, retrace) if ep > 1 else {}
+    attrs = _size_attrs(model, found, ep, signature) if ep > 1 else {}
     return {name: ExpertsPlan(fqn=name, num_experts=info.num_experts, params=list(info.params),
                               size_attrs=dict(attrs.get(fqn, {})))
             for fqn, info in found.items() for name in expand(fqn)}
