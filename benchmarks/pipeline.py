@@ -360,7 +360,8 @@ def _priced(spec: Spec) -> dict[str, float]:
     the stages ``parallelize`` cuts, their forward FLOPs at the run's sequence times 3
     (forward + backward) at this host's calibrated fp32 rate (``calibrate(procs=world,
     threads=1)``), each hand-off at the calibrated p2p link's time for one microbatch's
-    hidden state, torch's action order simulated on them."""
+    hidden state plus the pipeline runtime's own calibrated share (``pp_handoff``),
+    torch's action order simulated on them."""
     from transformers import AutoModelForCausalLM
 
     from tpcompile.plan.schedule import idle_share, simulate_stages
@@ -371,7 +372,7 @@ def _priced(spec: Spec) -> dict[str, float]:
     profile = calibrate(procs=spec.world, threads=1, name=f"this host, {spec.world} ranks")
     rate = profile.achievable("fp32")
     tokens = spec.batch // spec.microbatches * spec.seq  # one pipeline: the whole batch
-    hop = collective_time("p2p", 2, tokens * spec.hidden * 4, profile.link(inter_node=False))
+    hop = collective_time("p2p", 2, tokens * spec.hidden * 4, profile.link(inter_node=False)) + profile.pp_handoff
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(spec.config())
     blocks = [f"model.layers.{i}" for i in range(spec.layers)]

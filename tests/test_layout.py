@@ -209,10 +209,15 @@ def test_overlap_and_shared_compute_change_what_is_exposed(llama: nn.Module) -> 
                                                                             inter_node=slow_gather), **job)
     assert gathered[0].time["fsdp_exposed"] > fs["fsdp_exposed"]
     assert gathered[1].time["tp"] == price_layouts(llama, [Layout(tp=4)], hardware=base, **job)[0].time["tp"]
+    # the pipeline runtime's own share of a hand-off: 1F1B at pp=2, M=4 makes one per microbatch at
+    # least on its critical path (here, compute next to nothing, about five); only the pipeline pays it
+    slower = price_layouts(llama, [fsdp, pipe], hardware=replace(base, pp_handoff=1e-3), **job)
+    assert slower[1].time["p2p"] - full[1].time["p2p"] >= 4e-3, (slower[1].time, full[1].time)
+    assert slower[0].time == fs
 
 
 def test_profile_fields_are_checked_and_round_trip(tmp_path: Path) -> None:
-    hw = replace(get_profile("cpu"), comm_overlap=0.25, solo_flops={"fp32": 1e11},
+    hw = replace(get_profile("cpu"), comm_overlap=0.25, solo_flops={"fp32": 1e11}, pp_handoff=2e-3,
                  intra_node=Link(bandwidth=1e9, latency=1e-4, ops={"all_gather": [2e8, 3e-4]}))
     save_profile(hw, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == hw
@@ -221,6 +226,8 @@ def test_profile_fields_are_checked_and_round_trip(tmp_path: Path) -> None:
     assert hw.solo("bf16") == hw.achievable("bf16")  # nothing shared: the achievable rate
     with pytest.raises(TPError, match="comm_overlap"):
         replace(hw, comm_overlap=1.5)
+    with pytest.raises(TPError, match="pp_handoff"):
+        replace(hw, pp_handoff=-1.0)
     with pytest.raises(TPError, match="ops are"):
         Link(bandwidth=1.0, latency=0.0, ops={"gather": [1.0, 0.0]})
     with pytest.raises(TPError, match="bandwidth > 0"):
@@ -282,6 +289,9 @@ def test_calibrate_measures_positive_links(tmp_path: Path) -> None:
     assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency > 0
     assert hw.achievable("fp32") > 0 and hw.memory_bytes > 0 and 0.0 <= hw.comm_overlap <= 1.0
     assert hw.solo("fp32") >= hw.achievable("fp32") and hw.measurements["threads"] == 1
+    # a GPipe step of two idle stages, M=8: 16 hand-offs in a row; the runtime's share is what the transfer leaves
+    hand = hw.measurements["pp_handoff"]
+    assert hand["span"] == 16 and hand["wall"] > 0 and 0 <= hw.pp_handoff <= hand["hop"]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         m = hw.measurements["collectives"][op]
         assert m["bus_bandwidth"] > 0 and m["latency"] > 0

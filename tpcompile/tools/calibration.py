@@ -11,6 +11,10 @@ once with the others (so the numbers are what a rank of a job sees):
 * each collective (all-reduce, all-gather, reduce-scatter, all-to-all, p2p) at three
   sizes: latency from the smallest, bus bandwidth from the slope to the largest, one
   pair per collective in the links' ``ops`` (the all-reduce's is the link's own);
+* a **pipeline hand-off** (``pp_handoff``): a GPipe step of two stages that compute next
+  to nothing, through torch's pipelining runtime, over the span torch's action order
+  makes at one unit per hand-off, less the p2p transfer of its 256 bytes: what the
+  runtime adds to every hand-off (its schedule's Python, its p2p ops' set-up and waits);
 * the **overlap**: an asynchronous all-gather running while the rank multiplies,
   against each alone: ``(t_mm + t_comm - t_both) / min(t_mm, t_comm)``, the share of
   communication that hides behind compute (gloo runs collectives on the cores that
@@ -37,6 +41,7 @@ from .hardware import DTYPES, HardwareProfile, Link
 
 __all__ = ["calibrate", "fit_link", "measure_matmul"]
 
+_HANDOFF_WIDTH = 64  # features of the hand-off's microbatch: a transfer of 256 bytes
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -101,7 +106,57 @@ def _rank_worker(rank: int, world: int, sizes: list[int], repeats: int, threads:
             solo[d] = measure_matmul(d, seconds=seconds_per_dtype, throughput=True)
         dist.barrier()
     return {"matmul": shared, "solo": solo, "collectives": _collective_times(rank, world, sizes, repeats),
-            "overlap": _overlap(world, max(sizes))}
+            "overlap": _overlap(world, max(sizes)), "handoff": _handoff(rank, repeats)}
+
+
+class _Tiny(torch.nn.Module):
+    """A stage that computes next to nothing (the last one returns its loss)."""
+
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.lin, self.last = torch.nn.Linear(_HANDOFF_WIDTH, _HANDOFF_WIDTH), last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y.sum() if self.last else y
+
+
+def _handoff(rank: int, repeats: int, microbatches: int = 8) -> dict[str, float]:
+    """A pipeline hand-off as torch's runtime makes it, between ranks 0 and 1: the median
+    wall of a GPipe step of two stages that compute next to nothing, and the span torch's
+    action order makes at one unit per hand-off (the same simulation the price runs), so
+    ``wall / span`` is one hand-off.  The other ranks wait."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from ..plan.schedule import simulate_stages
+
+    group = dist.new_group([0, 1])
+    walls = []
+    if rank < 2:
+        meta = {"device": "meta"}
+        hidden = torch.empty(1, _HANDOFF_WIDTH, **meta, requires_grad=True)
+        stage = pipelining.PipelineStage(
+            _Tiny(last=rank == 1), rank, 2, torch.device("cpu"),
+            input_args=(torch.empty(1, _HANDOFF_WIDTH, **meta),) if rank == 0 else (hidden,),
+            output_args=hidden if rank == 0 else torch.empty((), **meta, requires_grad=True), group=group)
+        schedule = pipelining.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=lambda out, _: out,
+                                            scale_grads=False)
+        x = torch.zeros(microbatches, _HANDOFF_WIDTH)
+        for step in range(repeats + 2):  # two warm-up steps
+            dist.barrier(group)
+            start = time.perf_counter()
+            if rank == 0:
+                schedule.step(x, return_outputs=False)
+            else:
+                schedule.step(target=x, losses=[], return_outputs=False)
+            if step >= 2:
+                walls.append(time.perf_counter() - start)
+    dist.barrier()
+    runs = simulate_stages("gpipe", 2, 1, microbatches, {0: 0.0, 1: 0.0}, hop=1.0)
+    span = max(r.finish for r in runs.values())
+    wall = sorted(walls)[len(walls) // 2] if walls else 0.0
+    return {"wall": wall, "span": span, "hop": wall / span}
 
 
 def _collective(op: str, rank: int, x: torch.Tensor, gathered: torch.Tensor, recv: torch.Tensor,
@@ -257,6 +312,7 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
         (0.3, 2.0)
     """
     from .launch import spawn_local
+    from .layout_price import collective_time
 
     if procs < 2:
         raise TPError(f"calibrate needs at least 2 processes to measure links, got procs={procs}")
@@ -272,16 +328,19 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
     link = Link(bandwidth=bandwidth, latency=latency,
                 ops={op: [bw, lat] for op, (bw, lat) in links.items() if op != "all_reduce"})
     overlap = sorted(r["overlap"]["share"] for r in per_rank)[len(per_rank) // 2]
+    handoff = per_rank[1]["handoff"]  # the receiving rank's measurement of the first hop
+    transfer = collective_time("p2p", 2, _HANDOFF_WIDTH * 4, link)
     return HardwareProfile(
         name=name, peak_flops=rates, achievable_flops=dict(rates), memory_bytes=_host_memory() / procs,
         intra_node=link, inter_node=link, gpus_per_node=max(procs, os.cpu_count() or procs),
-        comm_overlap=round(overlap, 3), solo_flops=solo,
+        comm_overlap=round(overlap, 3), solo_flops=solo, pp_handoff=max(0.0, handoff["hop"] - transfer),
         source=f"measured by tpcompile calibrate on this host over {procs} local processes ({threads} threads "
                "each): torch.mm 512^3 per dtype on every process at once (the slowest process's rate) and on one "
-               "alone, gloo collectives, an all-gather overlapped with matmuls",
+               "alone, gloo collectives, an all-gather overlapped with matmuls, a GPipe step of two stages that "
+               "compute next to nothing",
         measurements={"matmul_flops": rates, "solo_flops": per_rank[0]["solo"], "procs": procs, "threads": threads,
                       "matmul_flops_per_rank": [r["matmul"] for r in per_rank],
-                      "overlap_per_rank": [r["overlap"] for r in per_rank],
+                      "overlap_per_rank": [r["overlap"] for r in per_rank], "pp_handoff": handoff,
                       "collectives": {op: {"seconds": {str(k): v for k, v in t.items()},
                                            "bus_bandwidth": links[op][0], "latency": links[op][1]}
                                       for op, t in timings.items()}})

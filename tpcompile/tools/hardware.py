@@ -118,6 +118,11 @@ class HardwareProfile:
     # one CPU host's cores): a pipeline's idle ranks lend their share to the busy ones.
     # Empty: devices share nothing (GPUs), the achievable rate holds either way
     solo_flops: dict[str, float] = field(default_factory=dict)
+    # seconds a pipeline hand-off costs on top of its transfer: the pipeline runtime's own
+    # work per received microbatch (torch's schedule Python, its p2p ops' set-up and
+    # waits).  0 where unmeasured (the datasheet profiles); calibrate measures it by
+    # running torch's schedule on stages that compute next to nothing
+    pp_handoff: float = 0.0
 
     def __post_init__(self) -> None:
         for d in (*self.peak_flops, *self.achievable_flops, *self.solo_flops):
@@ -125,6 +130,8 @@ class HardwareProfile:
                 raise TPError(f"hardware profile {self.name!r}: unknown dtype {d!r} (known: {', '.join(DTYPES)})")
         if self.memory_bytes <= 0 or self.gpus_per_node < 1:
             raise TPError(f"hardware profile {self.name!r}: memory_bytes and gpus_per_node must be positive")
+        if self.pp_handoff < 0:
+            raise TPError(f"hardware profile {self.name!r}: pp_handoff is seconds >= 0, got {self.pp_handoff}")
         if not 0.0 <= self.comm_overlap <= 1.0:
             raise TPError(f"hardware profile {self.name!r}: comm_overlap is a share in [0, 1], got "
                           f"{self.comm_overlap}")

@@ -272,7 +272,7 @@ class Pricer:
             solo = best["compute"] * self.rate / hw.solo(self.dtype)  # solo() falls back to the shared rate
             t["bubble"] = max(0.0, (solo + comm) / (1 - frac) - best["busy"])
             sent = tokens * mf.hidden_bytes_per_token / (lay.tp if lay.sequence_parallel else 1)  # as split
-            hop = collective_time("p2p", 2, sent, link["pp"])
+            hop = collective_time("p2p", 2, sent, link["pp"]) + hw.pp_handoff  # the runtime's own share
             # every hand-off the schedule makes, received as the receiver gets to it: what
             # the same order lasts longer with each transfer taking a hop
             t["p2p"] = self._simulated(lay, m, times, hop, shares)[1] - span
