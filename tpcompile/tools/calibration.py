@@ -328,7 +328,7 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
     link = Link(bandwidth=bandwidth, latency=latency,
                 ops={op: [bw, lat] for op, (bw, lat) in links.items() if op != "all_reduce"})
     overlap = sorted(r["overlap"]["share"] for r in per_rank)[len(per_rank) // 2]
-    handoff = per_rank[1]["handoff"]  # the receiving rank's measurement of the first hop
+    handoff = per_rank[0]["handoff"]  # the step starts and ends on rank 0 (the last backward's receive)
     transfer = collective_time("p2p", 2, _HANDOFF_WIDTH * 4, link)
     return HardwareProfile(
         name=name, peak_flops=rates, achievable_flops=dict(rates), memory_bytes=_host_memory() / procs,
