@@ -235,6 +235,14 @@ def _shrink_heads(data: dict[str, Any], new: dict[str, Any], tp: int) -> list[in
             new[key] = count_for_tp(heads, tp, _HEADS)
             if kv_key:
                 new[kv_key] = new[key] if kv == heads else _kv_for(kv, heads, tp)
+        if i == 0:
+            # a config may hold the KV count under two keys (Falcon: ``num_kv_heads``,
+            # read only by the new decoder architecture, beside ``num_key_value_heads``):
+            # each keeps its own relation to the heads
+            for other in kv_keys[1:]:
+                value = data[other]
+                new[other] = (new[key] if value == heads else new[kv_key] if value == kv
+                              else _kv_for(value, heads, tp))
         counts.append(new[key])
     return counts
 
