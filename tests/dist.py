@@ -41,9 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tpcompile.tools.launch import LocalPool, WorkerFailed, free_port, spawn_local
 
-__all__ = ["CaseResults", "free_port", "global_step", "kill_at_marker", "plan_ahead", "refusal", "run_cases",
+__all__ = ["CaseResults", "Collectives", "free_port", "global_step", "kill_at_marker", "plan_ahead", "refusal", "run_cases",
            "run_distributed"]
 
 _TESTS_DIR = Path(__file__).resolve().parent
@@ -278,3 +280,34 @@ def refusal(attempt: Callable[[], Any]) -> str | None:
     except TPError as exc:
         return str(exc)
     return None
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the collectives that reach the dispatcher (``c10d`` and functional ops),
+    however called, by op name.  A tensor subclass (DTensor, torchao's float8 tensors)
+    runs its own dispatch under the mode, so the collectives it issues are counted too.
+
+    Not ``CommDebugMode``: its module tracker wraps every module output for backward
+    hooks, which changes the tensors the model's loss receives, and breaks on a module
+    called outside the model's tree (transformers 5.25's rotary ``Func`` module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    @property
+    def count(self) -> int:
+        return sum(self.ops.values())
+
+    def all_reduces(self) -> int:
+        return sum(n for op, n in self.ops.items() if "all_reduce" in op or "allreduce" in op)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and not issubclass(t, FakeTensor)
+               for t in types):
+            return NotImplemented  # the subclass dispatches first; its inner ops come back here
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            self.ops[func.__name__] = self.ops.get(func.__name__, 0) + 1
+        return func(*args, **(kwargs or {}))

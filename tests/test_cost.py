@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist import run_distributed
-from torch.utils._python_dispatch import TorchDispatchMode
+from dist import Collectives, run_distributed
 
 import tpcompile
 from tpcompile.errors import TPError
@@ -85,22 +84,6 @@ def _counting(log: dict[str, list[int]]) -> Iterator[None]:
             setattr(dist, fname, fn)
 
 
-class _Dispatched(TorchDispatchMode):
-    """Counts the collectives that reach the dispatcher (``c10d`` ops), however called.
-
-    Not ``CommDebugMode``: its module tracker wraps every module output for backward
-    hooks, which changes the tensors the model's loss receives."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _build(name: str, overrides: dict, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -127,7 +110,7 @@ def _predicted(name: str, overrides: dict, tp: int, dp_shard: int, loss_parallel
 
 
 def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, dict]]:
-    """Per case: (predicted, counted by the wrappers, counted by CommDebugMode)."""
+    """Per case: (predicted, counted by the wrappers, counted at the dispatcher)."""
     out = []
     for name, overrides, tp, dp_shard, loss_parallel in cases:
         model = _build(name, overrides)
@@ -146,7 +129,7 @@ def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, d
         debug: dict[str, int] = {}
         for phase in ("forward", "backward", "step"):
             log: dict[str, list[int]] = defaultdict(list)
-            with _counting(log), _Dispatched() as mode:
+            with _counting(log), Collectives() as mode:
                 if phase == "forward":
                     loss = model(ids, labels=ids).loss
                 elif phase == "backward":
@@ -170,7 +153,7 @@ def _eval_steps(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, di
     with torch.no_grad():
         for kind in ("guarded", "guarded", "labels", "no_labels"):
             log: dict[str, list[int]] = defaultdict(list)
-            with _counting(log), _Dispatched() as mode:
+            with _counting(log), Collectives() as mode:
                 model(ids) if kind == "no_labels" else model(ids, labels=ids)
             out.append((kind, {op: (len(v), sum(v)) for op, v in log.items() if v}, mode.count))
     model.train()

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist import CaseResults, run_cases
+from dist import CaseResults, Collectives, run_cases
 from transformers import AutoModelForCausalLM
 
 import tpcompile
@@ -330,7 +330,6 @@ def _one_step(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
     """One training step as run: FSDP2's all-gather bytes (this rank's inputs, counted by
     wrapping ``torch.distributed``) and the all-reduces issued in forward / backward."""
     import torch.distributed as dist
-    from torch.distributed.tensor.debug import CommDebugMode
 
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up: FSDP2's lazy init, first-forward checks
     names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
@@ -343,18 +342,15 @@ def _one_step(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
             return originals[name](out, inp, *args, **kwargs)
         return counted
 
-    def reduces(mode: CommDebugMode) -> int:
-        return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op))
-
     for n in names:
         setattr(dist, n, counting(n))
     try:
-        with CommDebugMode() as mode:
+        with Collectives() as mode:
             loss = model(input_ids=ids, labels=ids).loss
-        forward = reduces(mode)
-        with CommDebugMode() as mode:
+        forward = mode.all_reduces()
+        with Collectives() as mode:
             loss.backward()
-        backward = reduces(mode)
+        backward = mode.all_reduces()
     finally:
         for n, fn in originals.items():
             setattr(dist, n, fn)
@@ -407,19 +403,15 @@ def _storage(rank: int, world: int, out: str) -> dict:
 
 
 def _all_reduces(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
-    """All-reduces in one forward and one backward, as issued (CommDebugMode sees the
+    """All-reduces in one forward and one backward, as issued (the dispatcher sees the
     functional collectives torchao's amax uses and the c10d ones of the TP hooks)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up: first-forward checks
-    counts = []
-    with CommDebugMode() as mode:
+    with Collectives() as mode:
         loss = model(input_ids=ids, labels=ids).loss
-    counts.append(sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op)))
-    with CommDebugMode() as mode:
+    forward = mode.all_reduces()
+    with Collectives() as mode:
         loss.backward()
-    counts.append(sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op)))
-    return counts[0], counts[1]
+    return forward, mode.all_reduces()
 
 
 def _without_and_with_fp8(world: int, measure: Any) -> tuple[list[Any], torch.nn.Module, Any]:
