@@ -13,7 +13,8 @@ split attention output and MLP features): statistics over split features; OLMoE 
 norms over 2 KV heads, or one: split at tp=2, at tp=4 the 2 KV heads keep the attention
 whole as before while one KV head splits the queries only); Llama 4 (rotary as complex
 multiplication through ``view_as_complex``, chunked attention, a layer without rotary,
-MoE layers interleaved with dense ones).
+MoE layers interleaved with dense ones); MPT (ALiBi built once outside the attention
+and sliced to each rank's heads where it enters).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -28,7 +29,7 @@ __all__ = ["GENERATES", "build"]
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text"}
+             "llama4_text", "mpt"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -136,6 +137,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             intermediate_size_mlp=128, num_hidden_layers=4, interleave_moe_layer_step=2, num_local_experts=4,
             num_experts_per_tok=1, no_rope_layer_interval=4, attention_chunk_size=4, floor_scale=4,
             vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "mpt":  # ALiBi slopes built outside the attention, read inside it per head
+        return hf.MptForCausalLM, hf.MptConfig(
+            d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, vocab_size=256,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

@@ -25,6 +25,8 @@ from test_transform import grad_errors
 import tpcompile
 from tpcompile.capture import example_inputs
 from tpcompile.errors import TPError
+from tpcompile.plan import Plan
+from tpcompile.plan.modules import SliceInputs
 
 TOL = 1e-5
 STEP_TOL = 1e-4  # relative, as the FSDP2 training comparisons
@@ -49,6 +51,8 @@ CASES_TP2 = [
     ("gpt_oss", "eager"), ("gpt_oss_loop", "eager"), ("mixtral_loop", "sdpa"),
     # rotary as complex multiplication (view_as_complex); a size-valued attribute used as a value
     ("llama4_text", "sdpa"), ("llama4_text", "eager"),
+    # a replicated value without gradient sliced where it enters a split module (ALiBi)
+    ("mpt", None),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 
@@ -121,7 +125,7 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None),
              ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"), ("bitnet", "sdpa"),
              ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
-             ("llama4_text", "sdpa")]
+             ("llama4_text", "sdpa"), ("mpt", None)]
 
 
 @pytest.mark.slow
@@ -206,6 +210,35 @@ def test_plans_read_the_structure() -> None:
     assert phi.params["model.layers.0.self_attn.qkv_proj.weight"].role.value == "column"
     fix = phi.modules["model.layers.0.self_attn"].attr_fixups
     assert fix["num_key_value_heads"] == [2, 1] and "num_key_value_groups" not in fix
+
+
+def test_alibi_built_outside_the_attention_is_sliced_where_it_enters() -> None:
+    """MPT builds its ALiBi bias (every head's slope) once and passes it to each
+    attention, where it meets the split scores: sliced to each rank's heads as the call
+    enters, the attention splits (1.49x -> 1.00x the ideal bytes per rank at tp=4 on the
+    default config's sizes); BLOOM's ALiBi has batch * heads rows, which no fixed index
+    slices, so its attention stays whole, with the reason."""
+    with torch.device("meta"):
+        mpt = hf.MptForCausalLM(hf.MptConfig(n_layers=2))  # default sizes (16 heads), two blocks
+    plan = tpcompile.plan_model(mpt, tp=4)
+    assert plan.over_ideal() <= 1.05 and plan.kept_whole() == []
+    attn = plan.modules["transformer.blocks.1.attn"]
+    op = attn.op(SliceInputs)
+    quarters = tuple(tuple(range(4 * r, 4 * r + 4)) for r in range(4))
+    assert op.slices == ((("kwargs", "position_bias"), 0, 16, quarters),)
+    assert attn.attr_fixups == {"n_heads": [16, 4]} and op.collectives() == []
+    assert Plan.from_json(plan.to_json()).modules["transformer.blocks.1.attn"] == attn
+    _, kw = op.apply((), {"position_bias": torch.arange(16.0).view(16, 1, 1)}, rank=2)
+    assert kw["position_bias"].view(-1).tolist() == [8.0, 9.0, 10.0, 11.0]
+    with pytest.raises(TPError, match=r"transformer.blocks.1.attn: .*position_bias .* 16 along dim 0.*\[32, 1, 8\]"):
+        op.apply((), {"position_bias": torch.zeros(32, 1, 8)}, rank=0, where="transformer.blocks.1.attn")
+    bloom = hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
+    with pytest.warns(UserWarning, match="would need slicing"):
+        whole = tpcompile.plan_model(bloom, tp=2, strict=False)
+    qkv = whole.params["transformer.h.0.self_attention.query_key_value.weight"]
+    assert qkv.role.value == "replicated" and "would need slicing" in qkv.whole_because
+    assert whole.modules.get("transformer.h.0.self_attention") is None or \
+        whole.modules["transformer.h.0.self_attention"].op(SliceInputs) is None
 
 
 def test_mamba2_mixer_splits_by_heads() -> None:

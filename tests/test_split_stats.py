@@ -118,13 +118,14 @@ def test_what_stays_whole_is_named_with_its_reason() -> None:
     again = Plan.from_json(plan.to_json())
     assert again.kept_whole() == rows
     # a row per repeated name, copies counted, largest first
-    mpt = hf.MptForCausalLM(hf.MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64))
+    # (BLOOM's ALiBi has batch * heads rows: no fixed slice makes it rank-local)
+    bloom = hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=128))
     with torch.device("meta"):
-        mpt = mpt.to("meta")
-    whole = tpcompile.plan_model(mpt, tp=4, strict=False)
-    assert whole.over_ideal() > 1.5
+        bloom = bloom.to("meta")
+    whole = tpcompile.plan_model(bloom, tp=4, strict=False)
+    assert whole.over_ideal() > 1.3
     first = whole.kept_whole()[0]
-    assert (first["name"], first["count"]) == ("transformer.blocks.*.attn.Wqkv.weight", 2)
+    assert (first["name"], first["count"]) == ("transformer.h.*.self_attention.query_key_value.weight", 2)
     assert "slicing" in first["because"], first
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch.fx as fx
 
 from ..errors import TPError
 from .addends import addend_params
+from .entries import EntryPaths, EntrySlice, entry_slice
 from .gradients import rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
@@ -64,6 +66,8 @@ class Analyzed:
     why: dict = field(default_factory=dict)
     # module -> its parameters added to a partial sum inside its forward (:mod:`.addends`)
     addends: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # module -> the replicated arguments its call narrows to each rank's rows (:mod:`.entries`)
+    entry_slices: dict[str, list[EntrySlice]] = field(default_factory=dict)
 
 
 def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
@@ -109,7 +113,7 @@ def _opened_by(stat_blocks: dict[fx.Node, set], blocks: set) -> set[fx.Node]:
     return {n for n, keys in stat_blocks.items() if keys & blocks}
 
 
-def _aligned_checks(a: Analyzed) -> set:
+def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
     """Resolve elementwise meetings of unsharded values with sharded features."""
     force: set = set()
     an, part = a.an, a.part
@@ -146,6 +150,8 @@ def _aligned_checks(a: Analyzed) -> set:
             continue  # a statistic's all-reduce sums its gradient (backward)
         if sliced and not ev.tainted and _uniform_along(an, node, sliced, nd):
             continue  # a fresh fill: rank-local once its size is (a fix-up; the dry run checks)
+        if len(sliced) == 1 and not multi and _sliced_at_entry(a, ev, ranks, sliced[0], entry_paths):
+            continue  # no gradient: each rank takes its rows where it enters the module
         if not sliced and shared and ev.tainted:
             found = find_reentry(an, part, a.layouts, node)
             if found is not None:  # summed where the row's sum leaves its module
@@ -170,6 +176,31 @@ def _aligned_checks(a: Analyzed) -> set:
             )
             force |= region
     return force
+
+
+def _sliced_at_entry(a: Analyzed, ev: Any, ranks: np.ndarray, d: int, paths: EntryPaths | None) -> bool:
+    """Record the entry slice that makes ``ev``'s replicated operand rank-local
+    (:mod:`.entries`), if there is an exact one consistent with those found before."""
+    nd = ranks.ndim
+    node = ev.operand
+    op_dim = d - (nd - a.an.ndim(node))
+    if op_dim < 0:
+        return False
+    atoms = np.asarray(ev.atoms)
+    if atoms.shape != ranks.shape:
+        return False
+    line = np.moveaxis(ranks, d, 0).reshape(ranks.shape[d], -1)[:, 0]
+    feats = np.moveaxis(atoms, d, 0).reshape(ranks.shape[d], -1)[:, 0]
+    es = entry_slice(a.an, node, op_dim, line, feats, ev.node, a.part.tp, paths)
+    if es is None:
+        return False
+    known = a.entry_slices.setdefault(es.module, [])
+    same = [k for k in known if k.path == es.path]
+    if same and same[0] != es:
+        return False  # one argument, two different slices: keep the region whole
+    if not same:
+        known.append(es)
+    return True
 
 
 def _gradient_checks(a: Analyzed, strict: bool, stat_blocks: dict[fx.Node, set]) -> set:
@@ -295,11 +326,13 @@ def analyze(
     max_passes: int = 12,
     split_stats: bool = True,
     override_reasons: dict[str, str] | None = None,
+    entry_paths: EntryPaths | None = None,
 ) -> Analyzed:
     """Propagate and partition until stable; see module docstring.  ``split_stats=False``
     ties every statistic's features, as any other reduction's (no :mod:`.stats`);
     ``override_reasons``: why an override key forces its parameters whole (default: the
-    user's override)."""
+    user's override); ``entry_paths`` finds the forward argument that carries a value into
+    a module (without it, no replicated value is sliced at a module's entry)."""
     all_params = set(param_of_placeholder.values())
     why: dict = {}
     for k, v in (overrides or {}).items():
@@ -320,7 +353,7 @@ def analyze(
         # from the overrides alone.  ``whole_stats`` only grows: at most one attempt per
         # statistic, and the last one is what tying those statistics from the start gives
         a, more, passes = _attempt(graph, rules, tp, param_of_placeholder, buffer_of_placeholder,
-                                   strict, set(overridden), whole_stats, max_passes, dict(why))
+                                   strict, set(overridden), whole_stats, max_passes, dict(why), entry_paths)
         total += passes
         if a is not None:
             a.passes = total
@@ -335,7 +368,8 @@ def _because(why: dict, blocks: set, reason: str) -> None:
 
 def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dict[str, str],
              buffer_of_placeholder: dict[str, str], strict: bool, forced: set,
-             whole_stats: set[fx.Node], max_passes: int, why: dict) -> tuple[Analyzed | None, set[fx.Node], int]:
+             whole_stats: set[fx.Node], max_passes: int, why: dict,
+             entry_paths: EntryPaths | None = None) -> tuple[Analyzed | None, set[fx.Node], int]:
     """Passes to a fixed point with ``whole_stats`` tied: the converged analysis, or
     ``None`` and the statistics found not to split (to tie in a fresh attempt); and the
     passes it took.  ``why`` collects the reason each forced block stays whole."""
@@ -420,7 +454,7 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
         a.retie |= _opened_by(stat_blocks, reduced)
         _because(why, reduced, "a partial sum is reduced inside the module that computed it")
         seen = len(notes)
-        aligned = _aligned_checks(a) - forced
+        aligned = _aligned_checks(a, entry_paths) - forced
         _because(why, aligned, "; ".join(notes[seen:]) or "a whole value would need a slice of split features")
         new = aligned | reduced
         if not new and not a.retie:

@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import TPError
+from .entries import narrow_args
 from .fixups import Local, apply_fixups, localize_embedding, quiet_traces
 from .propagate import innermost_module, module_path
 from .roles import Analyzed
@@ -215,6 +216,13 @@ def check_local(
         for full in expand(name):
             if full in mods:
                 apply_fixups(mods[full], changes)
+    for name, slices in a.entry_slices.items():  # the runtime's entry slices, rank 0's rows
+        rows = [es.as_tuple() for es in slices]
+        for full in expand(name):
+            if full in mods:
+                mods[full].register_forward_pre_hook(
+                    lambda m, args, kwargs, _r=rows, _n=full: narrow_args(args, kwargs, _r, 0, _n),
+                    with_kwargs=True)
     with quiet_traces():
         with _module_stack(shadow) as stack:
             try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-__all__ = ["as_if_exporting", "fake_copy", "shape_trace"]
+__all__ = ["as_if_exporting", "call_inputs", "fake_copy", "shape_trace"]
 
 
 def fake_copy(model: nn.Module, mode: Any) -> nn.Module:
@@ -96,6 +96,38 @@ def shape_trace(model: nn.Module, example_kwargs: dict[str, Any] | None = None) 
     mode, no cache; a data-dependent loop over every position) without the graph.  Two
     traces differ where a shape does, not where only a constant does.  Raises what the
     forward raises."""
+    return _fake_forward(model, example_kwargs)
+
+
+def call_inputs(model: nn.Module, example_kwargs: dict[str, Any] | None = None
+                ) -> dict[str, list[tuple[tuple, tuple, torch.dtype]]]:
+    """Every module's tensor arguments at its first call in the capture's forward (as
+    :func:`shape_trace` runs it), by module name: ``(path, shape, dtype)`` with paths as
+    ``("kwargs", "position_bias")`` or ``("args", 0)``.  What the captured graph does not
+    keep: which forward argument carries a value into a module."""
+    from torch.utils._pytree import tree_flatten_with_path
+
+    calls: dict[str, list[tuple[tuple, tuple, torch.dtype]]] = {}
+
+    def record(name: str, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if name in calls:
+            return
+        leaves, _ = tree_flatten_with_path({"args": args, "kwargs": kwargs})
+        calls[name] = [(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp),
+                        tuple(str(s) if isinstance(s, torch.SymInt) else int(s) for s in t.shape), t.dtype)
+                       for kp, t in leaves if isinstance(t, torch.Tensor)]
+
+    def hook(twin: nn.Module) -> None:
+        calls.clear()  # a failed attempt's calls (the data-dependent retries run again)
+        for name, mod in twin.named_modules():
+            mod.register_forward_pre_hook(lambda m, a, k, _n=name: record(_n, m, a, k), with_kwargs=True)
+
+    _fake_forward(model, example_kwargs, hook)
+    return calls
+
+
+def _fake_forward(model: nn.Module, example_kwargs: dict[str, Any] | None,
+                  on_twin: Callable[[nn.Module], None] | None = None) -> list[tuple[str, tuple]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -113,13 +145,19 @@ def shape_trace(model: nn.Module, example_kwargs: dict[str, Any] | None = None) 
         twin = fake_copy(model, mode).eval()
     with mode:
         fake = tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), dict(kwargs))
+
+    def run(nonzero: Any) -> list[tuple[str, tuple]]:
+        if on_twin is not None:
+            on_twin(twin)
+        return _run_once(twin, fake, mode, nonzero)
+
     try:
-        return _run_once(twin, fake, mode, contextlib.nullcontext())
+        return run(contextlib.nullcontext())
     except Exception as err:
         if not data_dependent(err):
             raise
     try:  # as the capture: every position of nonzero as Python ints, then as a tensor
-        return _run_once(twin, fake, mode, every_position_nonzero(ints=True))
+        return run(every_position_nonzero(ints=True))
     except Exception:  # noqa: BLE001 - the tensor form below raises what is left
         pass
-    return _run_once(twin, fake, mode, every_position_nonzero())
+    return run(every_position_nonzero())

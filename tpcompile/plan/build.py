@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..analysis.entries import EntryPaths
 from ..analysis.fixups import find_fixups, graph_signature, verify_fixups
 from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
 from ..analysis.roles import Analyzed, analyze, key_matches
@@ -34,7 +35,7 @@ from ..analysis.selfcheck import (
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
-from ..capture.fake import shape_trace
+from ..capture.fake import call_inputs, shape_trace
 from ..config import check_degree
 from ..errors import TPError
 from .cache import cached_plan, plan_key
@@ -46,6 +47,7 @@ from .modules import (
     ModuleOp,
     ModulePlan,
     ReduceOutput,
+    SliceInputs,
     SplitStats,
     VocabEmbedding,
 )
@@ -112,10 +114,12 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
     reasons: dict[str, str] = {}  # override key -> why (the self-check's, not the user's)
     split_stats = True
 
+    entry_paths = _entry_paths(model, example_inputs)
+
     def run(cap: Capture) -> Analyzed:
         return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
                        buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced,
-                       split_stats=split_stats, override_reasons=reasons)
+                       split_stats=split_stats, override_reasons=reasons, entry_paths=entry_paths)
 
     for attempt in range(_SELF_CHECK_RETRIES + 1):
         a = run(cap)
@@ -182,6 +186,50 @@ def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
         if any(block(u) != here for u in node.users if u.op == "call_function"):
             return True
     return False
+
+
+def _entry_paths(model: nn.Module, example_inputs: dict[str, Any] | None) -> EntryPaths:
+    """Which forward argument carries a value into a module (:mod:`~tpcompile.analysis.entries`):
+    the one tensor argument of the module's call, in a fake forward on the capture's
+    inputs, with the value's shape and dtype; and whose size along the sliced dim stays
+    the same in a forward on a larger batch and sequence (a bias of ``batch * heads``
+    rows cannot be sliced by a fixed index).  The forwards run once, at the first
+    question (most models never ask)."""
+    calls: list[dict] = []
+
+    def find(module: str, value: fx.Node, dim: int) -> list | None:
+        val = value.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        if not calls:
+            try:
+                calls.extend(call_inputs(model, kw) for kw in (example_inputs, _larger_inputs(model, example_inputs)))
+            except Exception:  # noqa: BLE001 - no fake forward: nothing is sliced at an entry
+                calls[:] = [{}, {}]
+        shape = tuple(int(s) for s in val.shape)
+        hits = [path for path, sh, dt in calls[0].get(module, []) if sh == shape and dt == val.dtype]
+        if len(hits) != 1:
+            return None
+        again = [sh for path, sh, _ in calls[1].get(module, []) if path == hits[0]]
+        return list(hits[0]) if len(again) == 1 and again[0][dim] == shape[dim] else None
+
+    return find
+
+
+def _larger_inputs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
+    """The capture's inputs with more sequences (and, when built from the model, more
+    tokens): every tensor whose first dim is the batch is repeated along it."""
+    from ..capture.export import _EXAMPLE_SEQ
+    from ..capture.inputs import example_inputs as build_inputs
+
+    if example_inputs is None:
+        return build_inputs(model, batch=3, seq=_EXAMPLE_SEQ + 4)
+    ids = next((v for v in example_inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+    if ids is None:
+        return example_inputs
+    batch = ids.shape[0]
+    return {k: torch.cat([v] * 3) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+            for k, v in example_inputs.items()}
 
 
 def _signature(model: nn.Module, example_inputs: dict[str, Any] | None) -> Callable[[], Any]:
@@ -314,6 +362,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter, addends=a.addends.get(m, ()))
     for m, stat in a.stats.items():
         rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
+    for m, slices in a.entry_slices.items():
+        rep_ops[m][SliceInputs] = SliceInputs(slices=tuple(es.as_tuple() for es in slices))
     for fqn, users in a.embedding.items():
         for m in users:
             rep_ops[m][VocabEmbedding] = VocabEmbedding(vocab_size=int(a.layouts[fqn].size))

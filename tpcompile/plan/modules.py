@@ -12,6 +12,8 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
     GradSum(params=["weight"])         all-reduce of a replicated parameter's gradient
     SplitStats(dim=-1, size=N, ...)    mean / sum / var over split features: local partial
                                        sums all-reduced (and their gradients, backward)
+    SliceInputs(slices=[...])          replicated arguments without gradient narrowed to this
+                                       rank's rows as the call enters (no collective)
 
 ``dump-plan`` prints these objects, the cost model prices :meth:`ModulePlan.collectives`
 and the runtime installs one handler per op type
@@ -50,7 +52,7 @@ from ..errors import TPError
 
 __all__ = [
     "Collective", "EnterRegion", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
-    "SplitStats", "VocabEmbedding",
+    "SliceInputs", "SplitStats", "VocabEmbedding",
 ]
 
 # all-reduces one split statistic issues (var / std: the mean, then the squared deviations)
@@ -230,8 +232,46 @@ class SplitStats(ModuleOp):
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class SliceInputs(ModuleOp):
+    """Replicated arguments that carry no gradient, narrowed as the call enters to the
+    rows of this rank's features (MPT's ALiBi ``position_bias`` to the local heads:
+    :mod:`tpcompile.analysis.entries`).  Each entry of ``slices`` is ``(path, dim, size,
+    index)``: the argument (``("kwargs", "position_bias")`` or ``("args", 2)``), its dim of ``size`` global
+    rows, and per TP rank the rows it keeps.  No collective.
+
+    Example:
+        >>> import torch
+        >>> op = SliceInputs(slices=((("kwargs", "bias"), 0, 4, ((0, 1), (2, 3))),))
+        >>> _, kw = op.apply((), {"bias": torch.arange(4.0)}, rank=1)
+        >>> kw["bias"].tolist()
+        [2.0, 3.0]
+    """
+
+    kind: ClassVar[str] = "slice_inputs"
+    order: ClassVar[int] = 1
+    slices: tuple = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists: the canonical form is tuples
+        norm = tuple(((str(p[0]), p[1]), int(d), int(n), tuple(tuple(int(i) for i in r) for r in idx))
+                     for p, d, n, idx in self.slices)
+        if any(p[0] not in ("args", "kwargs") for p, *_ in norm):
+            raise TPError(f"slice_inputs: a path is ('args', i) or ('kwargs', name), got {[p for p, *_ in norm]}")
+        object.__setattr__(self, "slices", norm)
+
+    def collectives(self) -> list[Collective]:
+        return []
+
+    def apply(self, args: tuple, kwargs: dict, rank: int, where: str = "") -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with each sliced argument narrowed to ``rank``'s rows; an
+        argument missing or of another size than planned is a :class:`TPError`."""
+        from ..analysis.entries import narrow_args
+
+        return narrow_args(args, kwargs, self.slices, rank, where)
+
+
 OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,
-                                                            GatherOutput, SplitStats)}
+                                                            GatherOutput, SplitStats, SliceInputs)}
 
 
 @dataclass(kw_only=True)

@@ -40,6 +40,7 @@ from ..plan.modules import (
     GradSum,
     ModulePlan,
     ReduceOutput,
+    SliceInputs,
     SplitStats,
     VocabEmbedding,
 )
@@ -337,6 +338,13 @@ class _SplitStatHooks(OpHooks):
             mode.__exit__(None, None, None)
 
 
+class _SliceInputHooks(OpHooks):
+    """Replicated arguments without gradient narrowed to this rank's rows (no collective)."""
+
+    def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
+        return self.op.apply(args, kwargs, self.backend.rank, self.fqn)
+
+
 class _GatherHooks(OpHooks):
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
         vocab = self.op.vocab_size
@@ -353,6 +361,7 @@ class _GatherHooks(OpHooks):
 HANDLERS: dict[type, type[OpHooks]] = {
     GradSum: _GradSumHooks, EnterRegion: _EnterHooks, VocabEmbedding: _VocabHooks,
     ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks, SplitStats: _SplitStatHooks,
+    SliceInputs: _SliceInputHooks,
 }
 
 
