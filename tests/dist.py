@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpcompile.tools.launch import LocalPool, WorkerFailed, free_port, spawn_local
