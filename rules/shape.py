@@ -8,6 +8,8 @@ of the KV head it shares, which is what lets tp exceed the number of KV heads.
 
 from __future__ import annotations
 
+import math
+
 import operator
 from collections.abc import Callable
 
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from tpcompile.analysis.propagate import Analysis, rule, slice_indices
-from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial
+from tpcompile.analysis.state import Aligned, Feat, ParamRef, Partial, SubDim
 
 __all__ = ["SHAPE_RULES"]
 
@@ -85,11 +87,35 @@ def view(an: Analysis, node: torch.fx.Node) -> object:
 
 def _param_view(v: ParamRef, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> ParamRef | None:
     """A parameter viewed with size-1 dims added or dropped (a per-head vector reshaped
-    to ``(1, H, 1, 1)``) is still that parameter; any other view loses track of it."""
-    if [s for s in in_shape if s != 1] != [s for s in out_shape if s != 1]:
+    to ``(1, H, 1, 1)``) is still that parameter; so is one whose dim the view splits
+    into factors (stacked experts kept 2-D, ``[E * F, H]`` viewed ``(E, F, H)``): each
+    factor becomes a :class:`SubDim` of it.  Any other view loses track of it."""
+    real_in = [(d, s) for d, s in zip(v.dims, in_shape, strict=True) if s != 1]
+    real_out = [s for s in out_shape if s != 1]
+    dims = _split_dims(real_in, real_out)
+    if dims is None:
         return None
-    real = iter(d for d, s in zip(v.dims, in_shape, strict=True) if s != 1)
+    real = iter(dims)
     return ParamRef(v.fqn, tuple(next(real) if s != 1 else None for s in out_shape), v.is_buffer)
+
+
+def _split_dims(real_in: list[tuple], real_out: list[int]) -> list | None:
+    """The parameter dim of each non-1 output size: the same dims where the sizes match,
+    and one input dim split into the factors of consecutive output sizes."""
+    if [s for _, s in real_in] == real_out:
+        return [d for d, _ in real_in]
+    for i, (d, size) in enumerate(real_in):
+        if not isinstance(d, int):
+            continue
+        for k in range(2, len(real_out) - i + 1):
+            factors = tuple(real_out[i:i + k])
+            if math.prod(factors) != size:
+                continue
+            rest_in = [s for _, s in real_in[i + 1:]]
+            if [s for _, s in real_in[:i]] == real_out[:i] and rest_in == real_out[i + k:]:
+                return ([e for e, _ in real_in[:i]] + [SubDim(d, factors, j) for j in range(k)]
+                        + [e for e, _ in real_in[i + 1:]])
+    return None
 
 
 @rule(aten.expand, aten.expand_as, aten.broadcast_to)

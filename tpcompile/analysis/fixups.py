@@ -28,7 +28,7 @@ from torch import nn
 from ..capture.export import quiet_traces
 from .propagate import innermost_module
 from .roles import Analyzed
-from .state import Feat
+from .state import Feat, ParamRef
 
 __all__ = ["Local", "apply_fixups", "find_fixups", "global_config", "localize_embedding", "graph_signature", "quiet_traces", "verify_fixups"]
 
@@ -64,7 +64,12 @@ class Local:
 
     def size(self, node: fx.Node, d: int) -> int:
         shape = self.a.an.shape(node)
-        if not isinstance(self.a.an.value.get(node), Feat):
+        v = self.a.an.value.get(node)
+        if isinstance(v, ParamRef) and len(v.dims) == len(shape):
+            # a view of a split parameter (stacked experts kept 2-D, viewed per expert)
+            lay = self.a.layouts.get(v.fqn)
+            return lay.local if lay is not None and v.dims[d] == lay.dim else shape[d]
+        if not isinstance(v, Feat):
             return shape[d]
         line = self.line(node, d)
         return shape[d] if line.size == 1 else self.count(line)

@@ -18,8 +18,9 @@ import numpy as np
 
 from .atoms import connected_components
 from .propagate import Analysis
+from .state import SubDim
 
-__all__ = ["BlockLayout", "Partition", "RegionFailure", "partition", "valid_tp_sizes"]
+__all__ = ["BlockLayout", "Partition", "RegionFailure", "param_layout", "partition", "valid_tp_sizes"]
 
 
 @dataclass
@@ -28,7 +29,7 @@ class BlockLayout:
     holds, in local order (``-1`` marks a padding row)."""
 
     fqn: str
-    dim: int
+    dim: int | SubDim  # SubDim: a factor of a dim a view splits (see param_layout)
     size: int
     index: np.ndarray  # (tp, local)
 
@@ -52,6 +53,22 @@ class BlockLayout:
         """Some global index lives on more than one rank (KV-head replication)."""
         flat = self.index[self.index >= 0]
         return np.unique(flat).size < flat.size
+
+
+def param_layout(lay: BlockLayout) -> BlockLayout:
+    """``lay`` in the parameter's real dims.  A :class:`SubDim` layout (each expert's
+    ``F`` features of a ``[E * F, H]`` weight viewed ``(E, F, H)``) becomes the rows of
+    the real dim whose factor ``part`` is one the rank holds, in row-major order: every
+    expert's local features, expert by expert, as the model's own view of the local
+    weight (``view(-1, F / tp, H)``) reads them."""
+    sub = lay.dim
+    if not isinstance(sub, SubDim):
+        return lay
+    if lay.padded:
+        raise ValueError(f"{lay.fqn}: a padded layout of a viewed dim has no rows of the real one")
+    grid = np.arange(int(np.prod(sub.sizes))).reshape(sub.sizes)
+    index = np.stack([np.take(grid, row, axis=sub.part).reshape(-1) for row in lay.index])
+    return BlockLayout(lay.fqn, sub.dim, int(grid.size), index)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from torch import nn
 from ..errors import TPError
 from .entries import narrow_args
 from .fixups import Local, apply_fixups, localize_embedding, quiet_traces
+from .partition import param_layout
 from .propagate import innermost_module, module_path
 from .roles import Analyzed
 from .state import Feat
@@ -76,6 +77,7 @@ def _local_shapes(model: nn.Module, a: Analyzed, representative: Callable[[str],
         shape = list(p.shape)
         for alias in names[id(p)]:
             lay = a.layouts.get(representative(alias))
+            lay = param_layout(lay) if lay is not None else None
             if lay is not None:
                 shape[lay.dim] = lay.local
                 break

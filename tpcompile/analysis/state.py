@@ -43,9 +43,22 @@ class Feat:
 
 
 @dataclass(frozen=True)
+class SubDim:
+    """One factor of a parameter dim that a view splits: DBRX's experts keep ``w1`` as
+    ``[E * F, H]`` and view it ``(E, F, H)``, so the view's dim 1 is
+    ``SubDim(dim=0, sizes=(E, F), part=1)`` — each expert's ``F`` features.  The analysis
+    places it like any dim; :func:`~tpcompile.analysis.partition.param_layout` turns its
+    layout into rows of the real dim."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    part: int
+
+
+@dataclass(frozen=True)
 class ParamRef:
     fqn: str
-    dims: tuple[int | None, ...]
+    dims: tuple[int | SubDim | None, ...]
     is_buffer: bool = False
 
 

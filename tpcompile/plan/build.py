@@ -23,6 +23,7 @@ from torch import nn
 
 from ..analysis.entries import EntryPaths
 from ..analysis.fixups import find_fixups, graph_signature, verify_fixups
+from ..analysis.partition import param_layout
 from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
 from ..analysis.roles import Analyzed, analyze, key_matches
 from ..analysis.selfcheck import (
@@ -381,6 +382,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             rep,
         )
         lay = a.layouts.get(key)
+        lay = param_layout(lay) if lay is not None else None
         owner, _ = _owner(name)
         if lay is None:
             role = Role.GRAD_ALLREDUCE if key in a.grad_allreduce else Role.REPLICATED

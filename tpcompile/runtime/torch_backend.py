@@ -101,7 +101,7 @@ class TorchBackend:
         Only the last input is remembered, so nothing outlives the next column module's
         call; an in-place change of ``t`` (version bump) makes a fresh copy.
         """
-        if not t.is_floating_point():
+        if not t.is_floating_point() or _parameter_view(t):
             return t
         if not torch.is_grad_enabled():
             return comm.copy_to_tp(t, self.group)
@@ -397,6 +397,36 @@ class _ReplicaGradSum(torch.autograd.Function):
         full = grad.new_zeros(shape).index_add_(ctx.dim, index, grad)
         torch.distributed.all_reduce(full, group=ctx.group)
         return full.index_select(ctx.dim, index), None, None, None, None
+
+
+# autograd nodes of views: a tensor reached only through them is its base, seen differently
+_VIEWS = ("ViewBackward", "UnsafeViewBackward", "SelectBackward", "SliceBackward", "TransposeBackward",
+          "PermuteBackward", "TBackward", "UnsqueezeBackward", "SqueezeBackward", "AliasBackward",
+          "ExpandBackward", "AsStridedBackward", "_ToTorchTensorBackward")
+
+
+def _parameter_view(t: torch.Tensor) -> bool:
+    """Is ``t`` a parameter (its local shard) seen through views?  DBRX's experts hand
+    ``w1.view(E, F, H)[e]`` to the module that runs them: a column module's argument
+    that is not an activation entering the TP region.  Its gradient is this rank's own
+    features' (a split parameter) or summed by the parameter's own gradient sum (a
+    replicated one), never all-reduced at the module's entry."""
+    if isinstance(t, nn.Parameter):
+        return True
+    fn = t.grad_fn
+    for _ in range(32):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return isinstance(fn.variable, nn.Parameter)
+        if not name.rstrip("0123456789").endswith(_VIEWS):
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
