@@ -68,7 +68,8 @@ def _export_import_path() -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300, fresh: bool = False
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300, fresh: bool = False,
+    interpreter: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
@@ -78,15 +79,16 @@ def run_distributed(
     each gloo collective; a run that times out is run once more in fresh processes (with
     a warning), since gloo's transport can deadlock on its own.  ``fresh``: new processes
     for this run (for code whose contract is once per process, like
-    ``tpcompile.smp.init``), not the session's ranks.
+    ``tpcompile.smp.init``), not the session's ranks; ``interpreter``: each rank a new
+    interpreter, nothing inherited from the fork server (for measuring a process's memory).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _export_import_path()
     try:
         try:
-            if fresh or not os.environ.get("TPCOMPILE_TEST_POOL"):
-                return spawn_local(fn, world_size, *args, timeout=timeout)
+            if fresh or interpreter or not os.environ.get("TPCOMPILE_TEST_POOL"):
+                return spawn_local(fn, world_size, *args, timeout=timeout, interpreter=interpreter)
             return _pool(world_size).run(fn, *args, timeout=timeout)
         except WorkerFailed as exc:
             if exc.kind != "timeout":
@@ -97,7 +99,7 @@ def run_distributed(
             # again and still fails, a transport race passes, and is reported
             warnings.warn(f"a {world_size}-rank launch timed out after {timeout:.0f} s and was run again in fresh "
                           f"processes: {str(exc).splitlines()[0][:200]}", stacklevel=2)
-            return spawn_local(fn, world_size, *args, timeout=timeout)
+            return spawn_local(fn, world_size, *args, timeout=timeout, interpreter=interpreter)
     except WorkerFailed as exc:  # a failed assert stays a test failure, a timeout a timeout
         if exc.kind == "assertion":
             raise AssertionError(str(exc)) from None

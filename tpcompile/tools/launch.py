@@ -77,7 +77,8 @@ def free_port() -> int:
 
 
 def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float | None = None,
-                collective_timeout: float | None = None, torchrun_env: bool = False) -> list[Any]:
+                collective_timeout: float | None = None, torchrun_env: bool = False,
+                interpreter: bool = False) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned gloo ranks; return the
     per-rank results in rank order.
 
@@ -92,6 +93,9 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float 
             300 s without one.
         torchrun_env: set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
             ``MASTER_PORT`` in each rank, as torchrun does (for code that reads them).
+        interpreter: each rank a new interpreter ("spawn"), not a fork of the preloaded
+            server: nothing inherited, as a job's own process (slower to start; for
+            measuring a process's own memory).
 
     Example:
         >>> spawn_local(my_module.check, 2, "llama")     # doctest: +SKIP
@@ -102,7 +106,9 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float 
     if collective_timeout is None:
         collective_timeout = timeout if timeout is not None else _COLLECTIVE_TIMEOUT_S
     payload = pickle.dumps((fn, args))  # a pickling error surfaces here, in the caller
-    ctx = _context()
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn") if interpreter else _context()
     results = ctx.Queue()
     port = free_port()
     procs: list[BaseProcess] = []
