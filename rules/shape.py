@@ -9,7 +9,6 @@ of the KV head it shares, which is what lets tp exceed the number of KV heads.
 from __future__ import annotations
 
 import math
-
 import operator
 from collections.abc import Callable
 
