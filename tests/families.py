@@ -13,8 +13,9 @@ split attention output and MLP features): statistics over split features; OLMoE 
 norms over 2 KV heads, or one: split at tp=2, at tp=4 the 2 KV heads keep the attention
 whole as before while one KV head splits the queries only); Llama 4 (rotary as complex
 multiplication through ``view_as_complex``, chunked attention, a layer without rotary,
-MoE layers interleaved with dense ones); MPT (ALiBi built once outside the attention
-and sliced to each rank's heads where it enters).
+MoE layers interleaved with dense ones); MPT and BLOOM (ALiBi built once outside the
+attention and sliced to each rank's heads where it enters; BLOOM's has a row per batch
+entry and head).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -29,7 +30,7 @@ __all__ = ["GENERATES", "build"]
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text", "mpt"}
+             "llama4_text", "mpt", "bloom"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -141,6 +142,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.MptForCausalLM, hf.MptConfig(
             d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, vocab_size=256,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "bloom":  # ALiBi of batch * heads rows, built outside the attention
+        return hf.BloomForCausalLM, hf.BloomConfig(
+            hidden_size=64, n_head=4, n_layer=2, vocab_size=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, **kw)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

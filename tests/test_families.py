@@ -52,9 +52,10 @@ CASES_TP2 = [
     # rotary as complex multiplication (view_as_complex); a size-valued attribute used as a value
     ("llama4_text", "sdpa"), ("llama4_text", "eager"),
     # a replicated value without gradient sliced where it enters a split module (ALiBi)
-    ("mpt", None),
+    ("mpt", None), ("bloom", None),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
+PADDED = {"mpt", "bloom"}  # also a padded batch of another size
 
 
 def _main(out: object) -> torch.Tensor:
@@ -106,6 +107,13 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
         loaded = type(ref).from_pretrained(path).eval()
         with torch.no_grad():
             result["reloaded"] = (_main(loaded(**inputs)) - _main(ref(**inputs))).abs().max().item()
+    if name in PADDED:  # another batch size, left-padded: ALiBi rows per batch entry
+        ids = torch.randint(3, 256, (3, 9), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = mask[2, :1] = 0
+        with torch.no_grad():
+            result["padded"] = (model(input_ids=ids, attention_mask=mask).logits
+                                - ref(input_ids=ids, attention_mask=mask).logits).abs().max().item()
     # one AdamW step from those gradients, then the loss again (relative: a first Adam
     # step moves each entry by ±lr, so a gradient within 1e-7 of zero may flip its sign)
     for m in (model, ref):
@@ -125,7 +133,7 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None),
              ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"), ("bitnet", "sdpa"),
              ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
-             ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa")]
+             ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None)]
 
 
 @pytest.mark.slow
@@ -147,6 +155,7 @@ def _check_exact(results: list) -> None:
             assert r.get("generate", True), where
             assert r.get("state_dict", True), where
             assert r.get("reloaded", 0.0) < TOL, where
+            assert r.get("padded", 0.0) < TOL, where
             assert r["step"] < STEP_TOL, f"{where}: loss after one AdamW step"
     sharded = {case: r["sharded"] for case, r in results[0].items()}
     # every family splits something; none is "exact" by replicating everything
@@ -216,8 +225,7 @@ def test_alibi_built_outside_the_attention_is_sliced_where_it_enters() -> None:
     """MPT builds its ALiBi bias (every head's slope) once and passes it to each
     attention, where it meets the split scores: sliced to each rank's heads as the call
     enters, the attention splits (1.49x -> 1.00x the ideal bytes per rank at tp=4 on the
-    default config's sizes); BLOOM's ALiBi has batch * heads rows, which no fixed index
-    slices, so its attention stays whole, with the reason."""
+    default config's sizes); BLOOM's ALiBi, batch * heads rows, is sliced per batch entry."""
     with torch.device("meta"):
         mpt = hf.MptForCausalLM(hf.MptConfig(n_layers=2))  # default sizes (16 heads), two blocks
     plan = tpcompile.plan_model(mpt, tp=4)
@@ -225,20 +233,21 @@ def test_alibi_built_outside_the_attention_is_sliced_where_it_enters() -> None:
     attn = plan.modules["transformer.blocks.1.attn"]
     op = attn.op(SliceInputs)
     quarters = tuple(tuple(range(4 * r, 4 * r + 4)) for r in range(4))
-    assert op.slices == ((("kwargs", "position_bias"), 0, 16, quarters),)
+    assert op.slices == ((("kwargs", "position_bias"), 0, 16, quarters, 0),)
     assert attn.attr_fixups == {"n_heads": [16, 4]} and op.collectives() == []
     assert Plan.from_json(plan.to_json()).modules["transformer.blocks.1.attn"] == attn
     _, kw = op.apply((), {"position_bias": torch.arange(16.0).view(16, 1, 1)}, rank=2)
     assert kw["position_bias"].view(-1).tolist() == [8.0, 9.0, 10.0, 11.0]
     with pytest.raises(TPError, match=r"transformer.blocks.1.attn: .*position_bias .* 16 along dim 0.*\[32, 1, 8\]"):
         op.apply((), {"position_bias": torch.zeros(32, 1, 8)}, rank=0, where="transformer.blocks.1.attn")
-    bloom = hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
-    with pytest.warns(UserWarning, match="would need slicing"):
-        whole = tpcompile.plan_model(bloom, tp=2, strict=False)
-    qkv = whole.params["transformer.h.0.self_attention.query_key_value.weight"]
-    assert qkv.role.value == "replicated" and "would need slicing" in qkv.whole_because
-    assert whole.modules.get("transformer.h.0.self_attention") is None or \
-        whole.modules["transformer.h.0.self_attention"].op(SliceInputs) is None
+    # BLOOM's ALiBi has a row per batch entry and head (``repeat(batch, 1, 1)``): each
+    # rank keeps its heads' rows of every entry
+    bloom = tpcompile.plan_model(build("bloom", meta=True), tp=2)
+    op = bloom.modules["transformer.h.1.self_attention"].op(SliceInputs)
+    assert op.slices == ((("kwargs", "alibi"), 0, 4, ((0, 1), (2, 3)), 4),)
+    _, kw = op.apply((), {"alibi": torch.arange(12.0).view(12, 1, 1)}, rank=1)
+    assert kw["alibi"].view(-1).tolist() == [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
+    assert bloom.kept_whole() == []
 
 
 def test_stacked_experts_kept_2d_split_per_expert() -> None:

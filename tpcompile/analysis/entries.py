@@ -17,18 +17,20 @@ The analysis proves the slice is exact before planning it (:func:`entry_slice`):
   other dims, casts, ``alias``), all inside the module, and nothing else inside the
   module reads it (each step has one user), so narrowing it at the entry changes only
   that meeting;
-* the features along the sliced dim are distinct (one head per row: a bias whose rows
-  repeat the heads once per batch entry, as BLOOM's ``batch * heads``, would need a
-  slice that depends on the batch, and keeps its region whole);
-* every rank gets the same number of rows.
+* the features along the sliced dim are distinct (one head per row, at the capture's
+  batch of one);
+* every rank gets the same number of rows;
+* where the rows repeat per batch entry (BLOOM's ALiBi: ``batch * heads`` rows, the
+  heads' block ``repeat``-ed per sequence), each rank keeps its heads' rows of every
+  entry (``b * H + h``): the capture sees one batch entry, and a second fake forward on
+  a larger batch shows the rows grow by exactly the batch factor.
 
 Which forward argument carries the value is not in the graph (torch.export inlines the
 call): the planner finds it from one fake forward of the model, the unique tensor
 argument of the module's call with the value's shape and dtype
 (:func:`tpcompile.capture.fake.call_inputs`), and checks with a second one on a larger
-batch and sequence that the sliced dim's size stays put (BLOOM's ALiBi has ``batch *
-heads`` rows: one head per row at the capture's batch of one, a fixed index at no
-other); where none or several match, the region stays whole as before.
+batch and sequence that the sliced dim's size stays put, or (rows per batch entry) grows
+by the batch factor; where none or several match, the region stays whole as before.
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ aten = torch.ops.aten
 _KEEP_DIMS = {aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
               aten.to.dtype_layout, aten.detach.default, aten.contiguous.default}
 
-# (module fqn, the value entering it, the dim to slice) -> the argument path of its call
-# carrying it, or None when no single argument matches or that dim's size depends on the
-# batch or sequence
-EntryPaths = Callable[[str, fx.Node, int], "list | None"]
+# (module fqn, the value entering it, the dim to slice, whether its rows repeat per batch
+# entry) -> the argument path of its call carrying it, or None when no single argument
+# matches or that dim's size changes with the batch or sequence otherwise than expected
+EntryPaths = Callable[[str, fx.Node, int, bool], "list | None"]
 
 
 @dataclass(frozen=True)
@@ -67,30 +69,36 @@ class EntrySlice:
     dim: int  # the argument's dim to slice (non-negative)
     size: int  # its global size along ``dim``
     index: tuple[tuple[int, ...], ...]  # per TP rank, the rows it keeps
+    # rows repeat per batch entry with this period (``b * size + i``), 0: a fixed size
+    period: int = 0
 
     def as_tuple(self) -> tuple:
-        """``(path, dim, size, index)``: the plan's form (``SliceInputs.slices``)."""
-        return (self.path, self.dim, self.size, self.index)
+        """``(path, dim, size, index, period)``: the plan's form (``SliceInputs.slices``)."""
+        return (self.path, self.dim, self.size, self.index, self.period)
 
 
 def narrow_args(args: tuple, kwargs: dict, slices: Iterable[tuple], rank: int,
                 where: str = "") -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of one module call with each ``(path, dim, size, index)`` of
-    ``slices`` narrowed to ``rank``'s rows; an argument missing or of another size than
+    """``(args, kwargs)`` of one module call with each ``(path, dim, size, index,
+    period)`` of ``slices`` narrowed to ``rank``'s rows (with a ``period``, the rows of
+    every batch entry: ``b * size + i``); an argument missing or of another size than
     planned is a :class:`TPError`."""
     new_args, new_kwargs = list(args), dict(kwargs)
-    for path, dim, size, index in slices:
+    for path, dim, size, index, period in slices:
         box: Any = new_args if path[0] == "args" else new_kwargs
         key = path[1]
         held = key in box if isinstance(box, dict) else key < len(box)
         value = box[key] if held else None
-        if not isinstance(value, torch.Tensor) or value.dim() <= dim or value.shape[dim] != size:
+        n = value.shape[dim] if isinstance(value, torch.Tensor) and value.dim() > dim else -1
+        if n != size and not (period and n > 0 and n % period == 0):
             got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            rows = f"{size} (per batch entry)" if period else str(size)
             raise TPError(f"{where or 'a module'}: the plan slices its argument {'.'.join(map(str, path))} "
-                          f"to this rank's rows of {size} along dim {dim}, but the call passes {got}. "
+                          f"to this rank's rows of {rows} along dim {dim}, but the call passes {got}. "
                           "The model is called differently than when it was captured; keep the module "
                           "replicated with overrides={'<param fqn>': 'replicated'}")
-        box[key] = value.index_select(dim, torch.tensor(index[rank], device=value.device))
+        rows_ = [b * size + i for b in range(n // size) for i in index[rank]]
+        box[key] = value.index_select(dim, torch.tensor(rows_, device=value.device))
     return tuple(new_args), new_kwargs
 
 
@@ -114,10 +122,35 @@ def entry_slice(an: Analysis, operand: fx.Node, operand_dim: int, ranks_line: np
     index = tuple(tuple(int(i) for i in np.nonzero(ranks_line == r)[0]) for r in range(tp))
     if len({len(i) for i in index}) != 1:
         return None
-    path = paths(module, source, operand_dim)
+    size = int(ranks_line.size)
+    period = size if _batch_major(an, source, operand_dim) else 0
+    path = paths(module, source, operand_dim, bool(period))
     if path is None or len(path) != 2:  # an argument itself, not a tensor nested in one
         return None
-    return EntrySlice(module=module, path=tuple(path), dim=operand_dim, size=int(ranks_line.size), index=index)
+    return EntrySlice(module=module, path=tuple(path), dim=operand_dim, size=size, index=index, period=period)
+
+
+def _batch_major(an: Analysis, node: fx.Node, dim: int) -> bool:
+    """Is ``node``'s ``dim`` (dim 0) one batch entry's rows, to be repeated per entry?
+    BLOOM's ALiBi is ``slopes * positions`` over the heads, then ``repeat(batch, 1, 1)``
+    (or ``reshape([B, H, S] -> [B * H, 1, S])`` when the batch is padded): at the
+    capture's batch of one a ``repeat`` by 1 or a reshape folding a leading size-1 dim,
+    at batch ``B`` the rows ``b * H + h``.  (The planner checks that a larger batch
+    indeed multiplies the rows.)"""
+    while node.op == "call_function" and node.target in _KEEP_DIMS:
+        node = node.args[0]
+    if node.op != "call_function" or dim != 0:
+        return False
+    src = node.args[0]
+    if not isinstance(src, fx.Node):
+        return False
+    if node.target == aten.repeat.default:
+        reps = node.args[1]
+        return len(reps) == an.ndim(node) and reps[0] == 1
+    if node.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        shape, out = an.shape(src), an.shape(node)
+        return len(shape) >= 2 and shape[0] == 1 and shape[1] == out[0]
+    return False
 
 
 def _entering(an: Analysis, node: fx.Node, dim: int, module: str) -> fx.Node | None:

@@ -189,6 +189,9 @@ def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
     return False
 
 
+_LARGER = 3  # the second fake forward's batch, over the capture's
+
+
 def _entry_paths(model: nn.Module, example_inputs: dict[str, Any] | None) -> EntryPaths:
     """Which forward argument carries a value into a module (:mod:`~tpcompile.analysis.entries`):
     the one tensor argument of the module's call, in a fake forward on the capture's
@@ -198,7 +201,7 @@ def _entry_paths(model: nn.Module, example_inputs: dict[str, Any] | None) -> Ent
     question (most models never ask)."""
     calls: list[dict] = []
 
-    def find(module: str, value: fx.Node, dim: int) -> list | None:
+    def find(module: str, value: fx.Node, dim: int, per_batch: bool) -> list | None:
         val = value.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return None
@@ -212,7 +215,9 @@ def _entry_paths(model: nn.Module, example_inputs: dict[str, Any] | None) -> Ent
         if len(hits) != 1:
             return None
         again = [sh for path, sh, _ in calls[1].get(module, []) if path == hits[0]]
-        return list(hits[0]) if len(again) == 1 and again[0][dim] == shape[dim] else None
+        # the same size on a larger batch, or (rows per batch entry) _LARGER times it
+        want = shape[dim] * (_LARGER if per_batch else 1)
+        return list(hits[0]) if len(again) == 1 and again[0][dim] == want else None
 
     return find
 
@@ -220,16 +225,16 @@ def _entry_paths(model: nn.Module, example_inputs: dict[str, Any] | None) -> Ent
 def _larger_inputs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
     """The capture's inputs with more sequences (and, when built from the model, more
     tokens): every tensor whose first dim is the batch is repeated along it."""
-    from ..capture.export import _EXAMPLE_SEQ
+    from ..capture.export import _EXAMPLE_BATCH, _EXAMPLE_SEQ
     from ..capture.inputs import example_inputs as build_inputs
 
     if example_inputs is None:
-        return build_inputs(model, batch=3, seq=_EXAMPLE_SEQ + 4)
+        return build_inputs(model, batch=_LARGER * _EXAMPLE_BATCH, seq=_EXAMPLE_SEQ + 4)
     ids = next((v for v in example_inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
     if ids is None:
         return example_inputs
     batch = ids.shape[0]
-    return {k: torch.cat([v] * 3) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+    return {k: torch.cat([v] * _LARGER) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
             for k, v in example_inputs.items()}
 
 

@@ -242,7 +242,7 @@ class SliceInputs(ModuleOp):
 
     Example:
         >>> import torch
-        >>> op = SliceInputs(slices=((("kwargs", "bias"), 0, 4, ((0, 1), (2, 3))),))
+        >>> op = SliceInputs(slices=((("kwargs", "bias"), 0, 4, ((0, 1), (2, 3)), 0),))
         >>> _, kw = op.apply((), {"bias": torch.arange(4.0)}, rank=1)
         >>> kw["bias"].tolist()
         [2.0, 3.0]
@@ -253,8 +253,8 @@ class SliceInputs(ModuleOp):
     slices: tuple = ()
 
     def __post_init__(self) -> None:  # JSON gives lists: the canonical form is tuples
-        norm = tuple(((str(p[0]), p[1]), int(d), int(n), tuple(tuple(int(i) for i in r) for r in idx))
-                     for p, d, n, idx in self.slices)
+        norm = tuple(((str(e[0][0]), e[0][1]), int(e[1]), int(e[2]), tuple(tuple(int(i) for i in r) for r in e[3]),
+                      int(e[4]) if len(e) > 4 else 0) for e in self.slices)
         if any(p[0] not in ("args", "kwargs") for p, *_ in norm):
             raise TPError(f"slice_inputs: a path is ('args', i) or ('kwargs', name), got {[p for p, *_ in norm]}")
         object.__setattr__(self, "slices", norm)
