@@ -88,8 +88,9 @@ def _build(name: str, overrides: dict, meta: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     # mamba: a re-entering row (x_proj), its output's gradient all-reduced too; olmo2:
-    # q_norm / k_norm over all heads, partial statistics all-reduced forward and backward
-    if name in ("mamba", "olmo2"):
+    # q_norm / k_norm over all heads, partial statistics all-reduced forward and backward;
+    # dbrx: experts looped over, one all-reduce per MoE layer each way
+    if name in ("mamba", "olmo2", "dbrx"):
         from families import build
 
         return build(name, meta=meta).train()
@@ -170,6 +171,7 @@ _TP_CASES = [
     ("bert", {}, 2, 1, False),
     ("mamba", {}, 2, 1, False),
     ("olmo2", {}, 2, 1, False),
+    ("dbrx", {}, 2, 1, False),  # an expert loop's module: its parent is the TP region
     ("llama", {}, 1, 2, False),  # FSDP2 alone (parallelize at tp=1, dp_shard=2)
 ]
 _FSDP_CASES = [(name, {}, 2, 2, False) for name in ("llama", "gpt2", "mixtral", "bert")]

@@ -262,7 +262,12 @@ def test_stacked_experts_kept_2d_split_per_expert() -> None:
     for name, role in (("w1", "column"), ("v1", "column"), ("w2", "row")):
         p = plan.params[mlp + name]
         assert (p.role.value, p.shard_dim, p.local_shape, p.runs) == (role, 0, [128, 64], runs), (name, p)
-    assert plan.modules["transformer.blocks.0.ffn.experts"].attr_fixups == {"ffn_hidden_size": [64, 32]}
+    experts = plan.modules["transformer.blocks.0.ffn.experts"]
+    assert experts.attr_fixups == {"ffn_hidden_size": [64, 32]}
+    # the GLU module runs once per expert: the loop's module is the TP region, entered
+    # and reduced once per layer (not once per expert)
+    assert [op.kind for op in experts.ops] == ["enter", "reduce_output"]
+    assert plan.modules.get(mlp[:-1]) is None or not plan.modules[mlp[:-1]].ops
     cfg = hf.DbrxConfig(d_model=6144, n_heads=48, n_layers=2, max_seq_len=32768, vocab_size=100352,
                         attn_config=dict(kv_n_heads=8, rope_theta=500000.0, clip_qkv=8.0),
                         ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4))

@@ -25,6 +25,7 @@ import torch.fx as fx
 from ..errors import TPError
 from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
+from .exits import loop_parents
 from .gradients import rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
@@ -68,6 +69,8 @@ class Analyzed:
     addends: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # module -> the replicated arguments its call narrows to each rank's rows (:mod:`.entries`)
     entry_slices: dict[str, list[EntrySlice]] = field(default_factory=dict)
+    # row module -> the parent whose call is the TP region instead (:mod:`.exits`)
+    loop_parents: dict[str, str] = field(default_factory=dict)
 
 
 def _region_blocks(part: Partition, an: Analysis, atoms: np.ndarray) -> set:
@@ -479,9 +482,12 @@ def _assign(a: Analyzed, outputs: np.ndarray) -> None:
                 a.lm_head[c.fqn] = c.module
             else:
                 a.column[c.fqn] = c.module
+    # a module an expert loop calls once per expert: its parent is the TP region (:mod:`.exits`)
+    keep = set(a.addends) | {r.module for r in an.rows if r.fqn in a.reentry.rows}
+    a.loop_parents = loop_parents(an, a.layouts, an._params, keep)
     for r in an.rows:
         if r.fqn in a.layouts and a.layouts[r.fqn].dim == r.in_dim:
-            a.row[r.fqn] = (r.module, r.bias)
+            a.row[r.fqn] = (a.loop_parents.get(r.module, r.module), r.bias)
     for e in an.embeddings:
         if e.fqn in a.layouts:
             a.embedding.setdefault(e.fqn, [])

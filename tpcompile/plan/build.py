@@ -349,9 +349,11 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     # per representative module: its ops, by kind (a vocab-parallel embedding reduces its
     # own output, so it takes neither a row reduce nor a gather)
     rep_ops: dict[str, dict[type, ModuleOp]] = defaultdict(dict)
+    parents = set(a.loop_parents.values())
     for fqn, m in a.column.items():
         if fqn not in a.reentry.columns:  # else its input's gradient is summed at a row's exit
-            rep_ops[m][EnterRegion] = EnterRegion()
+            # inside an expert loop's parent, the parent's inputs enter once (analysis.exits)
+            rep_ops[next((p for p in parents if m.startswith(p + ".")), m)][EnterRegion] = EnterRegion()
     for fqn, m in a.lm_head.items():
         rep_ops[m][EnterRegion] = EnterRegion()
         if not loss_parallel:
