@@ -142,6 +142,13 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.MptForCausalLM, hf.MptConfig(
             d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, vocab_size=256,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "deepseek_v4":  # grouped output projection: o_a_proj's [g * r, d] weight viewed per group
+        from tpcompile.tools import shrink_config
+
+        cfg = shrink_config(hf.AutoConfig.for_model("deepseek_v4"), 2)
+        if attn is not None:
+            cfg._attn_implementation = attn
+        return hf.AutoModelForCausalLM._model_mapping[type(cfg)], cfg
     if name == "bloom":  # ALiBi of batch * heads rows, built outside the attention
         return hf.BloomForCausalLM, hf.BloomConfig(
             hidden_size=64, n_head=4, n_layer=2, vocab_size=256, pad_token_id=0, bos_token_id=1,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import warnings
 
 import pytest
 import torch
@@ -53,9 +54,13 @@ CASES_TP2 = [
     ("llama4_text", "sdpa"), ("llama4_text", "eager"),
     # a replicated value without gradient sliced where it enters a split module (ALiBi)
     ("mpt", None), ("bloom", None),
+    # a grouped linear kept 2-D (o_a_proj viewed per group); its router's gather has no
+    # rule yet, so it transforms with strict=False (that region replicated, with a warning)
+    ("deepseek_v4", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 PADDED = {"mpt", "bloom"}  # also a padded batch of another size
+NON_STRICT = {"deepseek_v4"}  # transformed with strict=False
 
 
 def _main(out: object) -> torch.Tensor:
@@ -79,7 +84,9 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
         inputs["return_loss"] = True
     out_ref = ref(**inputs)
     _loss(out_ref).backward()
-    tpcompile.transform(model, tp=world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tpcompile.transform(model, tp=world, strict=name not in NON_STRICT)
     out = model(**inputs)
     _loss(out).backward()
     errs = grad_errors(model, ref, world)
