@@ -97,8 +97,8 @@ def narrow_args(args: tuple, kwargs: dict, slices: Iterable[tuple], rank: int,
                           f"to this rank's rows of {rows} along dim {dim}, but the call passes {got}. "
                           "The model is called differently than when it was captured; keep the module "
                           "replicated with overrides={'<param fqn>': 'replicated'}")
-        rows_ = [b * size + i for b in range(n // size) for i in index[rank]]
-        box[key] = value.index_select(dim, torch.tensor(rows_, device=value.device))
+        keep = [b * size + i for b in range(n // size) for i in index[rank]]  # one block unless periodic
+        box[key] = value.index_select(dim, torch.tensor(keep, device=value.device))
     return tuple(new_args), new_kwargs
 
 

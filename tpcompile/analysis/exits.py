@@ -50,7 +50,10 @@ def loop_parents(an: Analysis, layouts: dict, param_of_placeholder: dict[str, st
             continue
         inside = [rp for rp in an.reduce_points if set(rows) & set(rp.rows)
                   and rp.node.op != "output" and parent in module_path(rp.node)]
-        if not inside and _returns_partials(an, parent) and _params_split(an, parent, layouts, param_of_placeholder):
+        if inside:
+            continue
+        nodes = [n for n in an.graph.nodes if n.op == "call_function" and parent in module_path(n)]
+        if _returns_partials(nodes, an, parent) and _params_split(nodes, layouts, param_of_placeholder):
             found[module] = parent
     return found
 
@@ -67,14 +70,11 @@ def _repeated(node: fx.Node, module: str) -> bool:
     return any(name == module and "@" in key for key, (name, _) in stack.items())
 
 
-def _inside(an: Analysis, parent: str) -> list[fx.Node]:
-    return [n for n in an.graph.nodes if n.op == "call_function" and parent in module_path(n)]
-
-
-def _returns_partials(an: Analysis, parent: str) -> bool:
-    """Is every floating value computed in ``parent`` and read outside it a partial sum?"""
+def _returns_partials(nodes: list[fx.Node], an: Analysis, parent: str) -> bool:
+    """Is every floating value computed in ``parent`` (its ``nodes``) and read outside it
+    a partial sum?"""
     found = False
-    for node in _inside(an, parent):
+    for node in nodes:
         if all(u.op != "output" and parent in module_path(u) for u in node.users):
             continue
         val = node.meta.get("val")
@@ -86,9 +86,9 @@ def _returns_partials(an: Analysis, parent: str) -> bool:
     return found
 
 
-def _params_split(an: Analysis, parent: str, layouts: dict, param_of_placeholder: dict[str, str]) -> bool:
-    """Is every parameter the parent's code reads one the plan splits?"""
-    for node in _inside(an, parent):
+def _params_split(nodes: list[fx.Node], layouts: dict, param_of_placeholder: dict[str, str]) -> bool:
+    """Is every parameter the parent's code (its ``nodes``) reads one the plan splits?"""
+    for node in nodes:
         for arg in node.all_input_nodes:
             fqn = param_of_placeholder.get(arg.name) if arg.op == "placeholder" else None
             if fqn is not None and fqn not in layouts:

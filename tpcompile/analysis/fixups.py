@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.export import quiet_traces
+from .gradients import along
 from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat, ParamRef
@@ -57,7 +58,7 @@ class Local:
         """The atoms along dim ``d`` of ``node`` (first position of every other dim)."""
         v = self.a.an.value.get(node)
         atoms = self.a.an.aligned_to(v.atoms, self.a.an.ndim(node))
-        return np.moveaxis(atoms, d, 0).reshape(atoms.shape[d], -1)[:, 0]
+        return along(atoms, d)
 
     def count(self, line: np.ndarray) -> int:
         return int(np.where(line < 0, True, self.rank0[np.clip(line, 0, None)]).sum())

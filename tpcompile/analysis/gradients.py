@@ -73,6 +73,12 @@ def rank_of(part: Partition, atoms: np.ndarray) -> np.ndarray:
     return np.where(atoms < 0, -1, r)
 
 
+def along(values: np.ndarray, d: int) -> np.ndarray:
+    """The entries along dim ``d`` (the first position of every other dim): which rank,
+    or which feature, each row along ``d`` holds."""
+    return np.moveaxis(values, d, 0).reshape(values.shape[d], -1)[:, 0]
+
+
 def varies(ranks: np.ndarray, d: int) -> bool:
     """Do the features along dim ``d`` belong to different ranks?"""
     if ranks.shape[d] <= 1:

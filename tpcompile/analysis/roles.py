@@ -26,7 +26,7 @@ from ..errors import TPError
 from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
-from .gradients import rank_of, unsummed_gradients, varies
+from .gradients import along, rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, module_path
 from .reentry import Reentry, find_reentry
@@ -189,12 +189,7 @@ def _sliced_at_entry(a: Analyzed, ev: Any, ranks: np.ndarray, d: int, paths: Ent
     op_dim = d - (nd - a.an.ndim(node))
     if op_dim < 0:
         return False
-    atoms = np.asarray(ev.atoms)
-    if atoms.shape != ranks.shape:
-        return False
-    line = np.moveaxis(ranks, d, 0).reshape(ranks.shape[d], -1)[:, 0]
-    feats = np.moveaxis(atoms, d, 0).reshape(ranks.shape[d], -1)[:, 0]
-    es = entry_slice(a.an, node, op_dim, line, feats, ev.node, a.part.tp, paths)
+    es = entry_slice(a.an, node, op_dim, along(ranks, d), along(ev.atoms, d), ev.node, a.part.tp, paths)
     if es is None:
         return False
     known = a.entry_slices.setdefault(es.module, [])
@@ -265,7 +260,7 @@ def _uniform_along(an: Analysis, node: fx.Node, dims: list[int], nd: int) -> boo
 def _slice_layout(fqn: str, pd: int | None, ranks: np.ndarray, d: int, tp: int) -> BlockLayout | None:
     if pd is None:
         return None
-    line = np.moveaxis(ranks, d, 0).reshape(ranks.shape[d], -1)[:, 0]
+    line = along(ranks, d)
     index = [np.nonzero(line == r)[0] for r in range(tp)]
     if len({len(i) for i in index}) != 1:
         return None

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from .gradients import rank_of, splits, varies
+from .gradients import along, rank_of, splits, varies
 from .partition import Partition
 from .propagate import Analysis, innermost_module, module_path
 from .reentry import Reentry
@@ -113,7 +113,7 @@ def _exact(an: Analysis, part: Partition, layouts: dict, use: StatUse, ranks: np
     if len(split) != 1 or (ranks < 0).any() or not isinstance(meta, torch.Tensor) or not meta.is_floating_point():
         return None  # replicas / unfeatured positions would be counted more than once
     d = split[0]
-    line = np.moveaxis(ranks, d, 0).reshape(ranks.shape[d], -1)[:, 0]
+    line = along(ranks, d)
     counts = np.bincount(line, minlength=part.tp)
     size = int(meta.shape[d])
     if line.size != size or counts.size != part.tp or len(set(counts.tolist())) != 1:

@@ -108,6 +108,7 @@ def call_inputs(model: nn.Module, example_kwargs: dict[str, Any] | None = None
     from torch.utils._pytree import tree_flatten_with_path
 
     calls: dict[str, list[tuple[tuple, tuple, torch.dtype]]] = {}
+    handles: list[Any] = []
 
     def record(name: str, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if name in calls:
@@ -118,9 +119,13 @@ def call_inputs(model: nn.Module, example_kwargs: dict[str, Any] | None = None
                        for kp, t in leaves if isinstance(t, torch.Tensor)]
 
     def hook(twin: nn.Module) -> None:
-        calls.clear()  # a failed attempt's calls (the data-dependent retries run again)
-        for name, mod in twin.named_modules():
-            mod.register_forward_pre_hook(lambda m, a, k, _n=name: record(_n, m, a, k), with_kwargs=True)
+        # each attempt records afresh: a failed one's calls (and hooks) are dropped
+        for h in handles:
+            h.remove()
+        handles.clear()
+        calls.clear()
+        handles.extend(mod.register_forward_pre_hook(lambda m, a, k, _n=name: record(_n, m, a, k), with_kwargs=True)
+                       for name, mod in twin.named_modules())
 
     _fake_forward(model, example_kwargs, hook)
     return calls

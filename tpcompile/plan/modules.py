@@ -237,8 +237,10 @@ class SliceInputs(ModuleOp):
     """Replicated arguments that carry no gradient, narrowed as the call enters to the
     rows of this rank's features (MPT's ALiBi ``position_bias`` to the local heads:
     :mod:`tpcompile.analysis.entries`).  Each entry of ``slices`` is ``(path, dim, size,
-    index)``: the argument (``("kwargs", "position_bias")`` or ``("args", 2)``), its dim of ``size`` global
-    rows, and per TP rank the rows it keeps.  No collective.
+    index, period)``: the argument (``("kwargs", "position_bias")`` or ``("args", 2)``),
+    its dim of ``size`` global rows, per TP rank the rows it keeps, and ``period`` (0, or
+    ``size`` where the rows repeat per batch entry: BLOOM's ``batch * heads`` ALiBi).  No
+    collective.
 
     Example:
         >>> import torch

@@ -38,13 +38,14 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transform
             "transformers.modeling_layers", "transformers.masking_utils", "transformers.generation", "tpcompile"]
 
 
-def _context() -> Any:
+def _context(interpreter: bool = False) -> Any:
     """Fork-server processes where the platform has them (ranks fork from one interpreter
-    that imported :data:`_PRELOAD` once), else fresh interpreters ("spawn").  Never plain
-    fork: the launching process may hold threads and locks a fork would copy mid-use."""
+    that imported :data:`_PRELOAD` once), else (or with ``interpreter``) fresh interpreters
+    ("spawn").  Never plain fork: the launching process may hold threads and locks a fork
+    would copy mid-use."""
     import torch.multiprocessing as mp
 
-    if "forkserver" not in mp.get_all_start_methods():
+    if interpreter or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; later calls change nothing
@@ -106,9 +107,7 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float 
     if collective_timeout is None:
         collective_timeout = timeout if timeout is not None else _COLLECTIVE_TIMEOUT_S
     payload = pickle.dumps((fn, args))  # a pickling error surfaces here, in the caller
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn") if interpreter else _context()
+    ctx = _context(interpreter)
     results = ctx.Queue()
     port = free_port()
     procs: list[BaseProcess] = []
