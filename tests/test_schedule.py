@@ -47,6 +47,20 @@ def test_unequal_stages_by_hand() -> None:
     assert (hopped[0].busy, hopped[1].busy) == (6.0, 12.0)  # the hops are idle time
 
 
+def test_an_overlapped_group_sends_after_its_last_part() -> None:
+    # rank 0 runs DualPipeV-style [F0.1 + B0.0] as one group: torch posts the group's sends
+    # after both parts, so rank 1 gets F0.1 at 6 (not at 2, when it was computed):
+    # rank 0: F0.0 0-1, F0.1 1-2, B0.0 4-6 (after rank 1's B1.0 2-4), B0.1 9-11;
+    # rank 1: F1.0 1-2, B1.0 2-4, F1.1 6-7, B1.1 7-9
+    order = {0: [[(0, "F", 0)], [(0, "F", 1), (0, "B", 0)], [(0, "B", 1)]],
+             1: [[(1, "F", 0)], [(1, "B", 0)], [(1, "F", 1)], [(1, "B", 1)]]}
+    runs = simulate(order, forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, rank_of={0: 0, 1: 1})
+    assert (runs[0].finish, runs[1].finish) == (11.0, 9.0)
+    ungrouped = {0: [[(0, "F", 0)], [(0, "F", 1)], [(0, "B", 0)], [(0, "B", 1)]], 1: order[1]}
+    runs = simulate(ungrouped, forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, rank_of={0: 0, 1: 1})
+    assert (runs[0].finish, runs[1].finish) == (9.0, 7.0)  # F1.1 at 4: sent as soon as computed
+
+
 @pytest.mark.parametrize(("name", "m"), [("zero_bubble", 4), ("zbv", 4), ("dualpipev", 8)])
 def test_split_backward_fills_the_bubble(name: str, m: int) -> None:
     # the weight gradients run in what would be idle: less than interleaved 1F1B's on the same stages

@@ -162,52 +162,68 @@ class _Graph:
     work: dict[int, dict[tuple[int, str], int]]  # rank -> how many actions of each (stage, kind) it runs
 
 
+def _needs(stage: int, kind: str, last: int) -> tuple[tuple[int, str], ...]:
+    """What an action reads: ``(stage, kinds)`` of the same microbatch (see :func:`simulate`)."""
+    if kind == "F":
+        return ((stage - 1, "F"),) if stage > 0 else ()
+    if kind == "W":
+        return ((stage, "I"),)
+    return ((stage, "F"), (stage + 1, "BI")) if stage < last else ((stage, "F"),)
+
+
 def _graph(order: dict[int, list[list[tuple[int, str, int]]]], rank_of: dict[int, int]) -> _Graph:
     """The dependency graph of ``order`` (see :func:`simulate` for what reads what).  Found
     in one pass driven by what is computed: a rank runs until an input is missing, then
     waits on the action that computes it (``O(A)`` for ``A`` actions, not a sweep of every
-    rank per action).  A schedule that cannot finish is a ``TPError``."""
+    rank per action).  A group (DualPipeV's overlapped forward + backward) is taken whole:
+    torch schedules it once every part's input is in, runs the parts one by one and posts
+    their sends after the last, so what a part computes is read from the group's end.  A
+    schedule that cannot finish is a ``TPError``."""
     last = max(rank_of)
-    index: dict[tuple[int, str, int], int] = {}
+    index: dict[tuple[int, str, int], int] = {}  # an output -> the action after which it is sent
     actions: list[tuple[int, str, int]] = []
     waits: list[tuple[int, ...]] = []
     far: list[int] = []
     mine: dict[int, list[int]] = {r: [] for r in order}
-    flat = {r: [a for group in groups for a in group] for r, groups in order.items()}
     pos = dict.fromkeys(order, 0)
     waiting: dict[tuple[int, int], list[int]] = {}  # (stage, microbatch) -> ranks waiting on it
     todo = list(order)
     while todo:
         r = todo.pop()
-        acts = flat[r]
-        while pos[r] < len(acts):
-            stage, kind, k = acts[pos[r]]
-            if kind == "F":
-                needs = ((stage - 1, "F"),) if stage > 0 else ()
-            elif kind == "W":
-                needs = ((stage, "I"),)
-            else:
-                needs = ((stage, "F"), (stage + 1, "BI")) if stage < last else ((stage, "F"),)
-            found: list[int] = [mine[r][-1]] if mine[r] else []
-            hops, missing = 0, None
-            for s_, kinds in needs:
-                i = next((index[(s_, kd, k)] for kd in kinds if (s_, kd, k) in index), None)
-                if i is None:
-                    missing = (s_, k)
+        groups = order[r]
+        while pos[r] < len(groups):
+            group = groups[pos[r]]
+            inside = {(s, kd, k) for s, kd, k in group}
+            found: list[list[int]] = []
+            hops: list[int] = []
+            missing = None
+            for stage, kind, k in group:
+                found.append([])
+                hops.append(0)
+                for s_, kinds in _needs(stage, kind, last):
+                    if any((s_, kd, k) in inside for kd in kinds):
+                        continue  # computed earlier in this group, on this rank
+                    i = next((index[(s_, kd, k)] for kd in kinds if (s_, kd, k) in index), None)
+                    if i is None:
+                        missing = (s_, k)
+                        break
+                    found[-1].append(i)
+                    hops[-1] += rank_of[s_] != rank_of[stage]
+                if missing is not None:
                     break
-                found.append(i)
-                hops += rank_of[s_] != rank_of[stage]
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
-            index[(stage, kind, k)] = len(actions)
-            mine[r].append(len(actions))
-            actions.append((stage, kind, k))
-            waits.append(tuple(found))
-            far.append(hops)
+            for (stage, kind, k), reads, hop in zip(group, found, hops, strict=True):
+                waits.append(tuple(([mine[r][-1]] if mine[r] else []) + reads))
+                far.append(hop)
+                mine[r].append(len(actions))
+                actions.append((stage, kind, k))
+            for stage, kind, k in group:
+                index[(stage, kind, k)] = len(actions) - 1
+                todo.extend(waiting.pop((stage, k), ()))
             pos[r] += 1
-            todo.extend(waiting.pop((stage, k), ()))
-    stuck = {r: flat[r][pos[r]] for r in order if pos[r] < len(flat[r])}
+    stuck = {r: order[r][pos[r]] for r in order if pos[r] < len(order[r])}
     if stuck:
         raise TPError(f"pipeline schedule cannot finish: every rank waits ({stuck})")
     work: dict[int, dict[tuple[int, str], int]] = {r: {} for r in order}
@@ -243,7 +259,7 @@ def simulate(order: dict[int, list[list[tuple[int, str, int]]]], *, forward: dic
     input pass of ``k``; a weight pass its input pass.  Each rank runs its actions one
     after another, each as soon as the rank is free and its inputs are in (an overlapped
     group's actions in their order: torch's runtime performs DualPipeV's sub-actions one
-    by one); an input from another rank costs the receiver a ``hop`` once both sides are
+    by one, and sends what they computed after the last); an input from another rank costs the receiver a ``hop`` once both sides are
     there (the transfer completes when the receive is posted: a hidden state exceeds a
     socket's buffer), idle time, not busy.  A schedule that cannot finish is a ``TPError``.
     """
