@@ -15,7 +15,9 @@ whole as before while one KV head splits the queries only); Llama 4 (rotary as c
 multiplication through ``view_as_complex``, chunked attention, a layer without rotary,
 MoE layers interleaved with dense ones); MPT and BLOOM (ALiBi built once outside the
 attention and sliced to each rank's heads where it enters; BLOOM's has a row per batch
-entry and head).
+entry and head); ``*_uneven``: 7 heads, which no tp divides (Falcon's fused MQA
+projection, GPT-2's ``[Q | K | V]`` sections, MPT's ALiBi, T5's per-head position bias),
+dealt unevenly with a padding head, and BitNet's statistic over them, kept whole).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -30,7 +32,8 @@ __all__ = ["GENERATES", "build"]
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text", "mpt", "bloom"}
+             "llama4_text", "mpt", "bloom",
+             "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -153,6 +156,25 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.BloomForCausalLM, hf.BloomConfig(
             hidden_size=64, n_head=4, n_layer=2, vocab_size=256, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, **kw)
+    # 7 heads, which no tp divides: dealt unevenly with a padding head (2/2/2/1 at tp=4)
+    ids = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "falcon_uneven":  # Falcon-7B's shape: one KV head, a fused [q heads | k | v]
+        return hf.FalconForCausalLM, hf.FalconConfig(
+            hidden_size=112, num_attention_heads=7, num_hidden_layers=2, multi_query=True,
+            new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, **ids)
+    if name == "gpt2_uneven":  # Conv1D c_attn: [Q | K | V] sections, a padding head in each
+        return hf.GPT2LMHeadModel, hf.GPT2Config(n_embd=112, n_head=7, n_layer=2, n_positions=64, **ids)
+    if name == "mpt_uneven":  # ALiBi sliced where it enters: the padding head repeats a slope
+        return hf.MptForCausalLM, hf.MptConfig(d_model=112, n_heads=7, n_layers=2, expansion_ratio=2,
+                                               max_seq_len=64, **ids)
+    if name == "t5_uneven":  # the relative-position bias: an embedding with a column per head
+        return hf.T5ForConditionalGeneration, hf.T5Config(
+            d_model=112, d_kv=16, num_heads=7, d_ff=128, num_layers=2, num_decoder_layers=2,
+            decoder_start_token_id=0, **{**ids, "eos_token_id": 1})
+    if name == "bitnet_uneven":  # a statistic over the heads' output: padding would enter it, kept whole
+        return hf.BitNetForCausalLM, hf.BitNetConfig(
+            hidden_size=112, intermediate_size=128, num_hidden_layers=2, num_attention_heads=7,
+            num_key_value_heads=7, max_position_embeddings=128, **ids)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

@@ -57,6 +57,8 @@ CASES_TP2 = [
     # a grouped linear kept 2-D (o_a_proj viewed per group); its router's gather has no
     # rule yet, so it transforms with strict=False (that region replicated, with a warning)
     ("deepseek_v4", "eager"),
+    # heads that no tp divides, dealt unevenly with a padding head
+    ("falcon_uneven", "eager"), ("falcon_uneven", "sdpa"), ("mpt_uneven", None),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart"}  # save_pretrained -> from_pretrained checked
 PADDED = {"mpt", "bloom"}  # also a padded batch of another size
@@ -140,7 +142,9 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba", None),
              ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"), ("bitnet", "sdpa"),
              ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
-             ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None)]
+             ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None),
+             ("falcon_uneven", "sdpa"), ("gpt2_uneven", "eager"), ("mpt_uneven", None), ("t5_uneven", "sdpa"),
+             ("bitnet_uneven", "eager")]
 
 
 @pytest.mark.slow

@@ -102,6 +102,24 @@ def narrow_args(args: tuple, kwargs: dict, slices: Iterable[tuple], rank: int,
     return tuple(new_args), new_kwargs
 
 
+def _with_padding(index: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...] | None:
+    """Each rank's rows, the same number on every rank, or ``None``.  Heads dealt
+    unevenly (:func:`~tpcompile.analysis.partition.partition`'s padding units) leave the
+    last ranks one head short, its padding head placed after their last one: there the
+    slice repeats the rank's last row (any finite row: a padding head's output meets only
+    zero weights and its gradient is zeroed).  Only where every rank holds one run of
+    consecutive rows and the short ranks are the last ones."""
+    sizes = [len(i) for i in index]
+    if len(set(sizes)) == 1:
+        return index
+    if 0 in sizes or sizes != sorted(sizes, reverse=True):
+        return None
+    if any(list(i) != list(range(i[0], i[0] + len(i))) for i in index):
+        return None
+    width = sizes[0]
+    return tuple(tuple(i) + (i[-1],) * (width - len(i)) for i in index)
+
+
 def entry_slice(an: Analysis, operand: fx.Node, operand_dim: int, ranks_line: np.ndarray,
                 atoms_line: np.ndarray, consumer: fx.Node, tp: int,
                 paths: EntryPaths | None) -> EntrySlice | None:
@@ -120,7 +138,8 @@ def entry_slice(an: Analysis, operand: fx.Node, operand_dim: int, ranks_line: np
     if len(set(atoms_line.tolist())) != atoms_line.size or (ranks_line < 0).any():
         return None  # a feature repeated along the dim, or a row no single rank holds
     index = tuple(tuple(int(i) for i in np.nonzero(ranks_line == r)[0]) for r in range(tp))
-    if len({len(i) for i in index}) != 1:
+    index = _with_padding(index)
+    if index is None:
         return None
     size = int(ranks_line.size)
     period = size if _batch_major(an, source, operand_dim) else 0

@@ -126,6 +126,18 @@ def _deal(tp: int, n: int, pad: bool) -> np.ndarray | None:
     return None
 
 
+def _deal_padded(tp: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Units that do not divide by ``tp`` (Falcon-7B's 71 heads at tp=4) dealt 18/18/18/17:
+    the first ``n % tp`` ranks hold ``ceil(n / tp)``, the others one fewer and a padding
+    unit in its place, so every rank holds the same local shapes.  The rank of each
+    unit and the padding units per rank, or ``None`` when some rank would hold none."""
+    per, extra = -(-n // tp), n % tp
+    if not extra or per < 2:
+        return None
+    counts = np.array([per if r < extra else per - 1 for r in range(tp)])
+    return np.repeat(np.arange(tp), counts), per - counts
+
+
 def _facts(an: Analysis) -> _Atoms:
     table = an.atoms
     ea, eb = an.edges()
@@ -195,18 +207,46 @@ def _holdings(region: _Region, ranks: np.ndarray, f: _Atoms, tp: int) -> np.ndar
     return on
 
 
+def _padded(mine: np.ndarray, labels: np.ndarray, template: int, pads: int) -> np.ndarray:
+    """A rank's features of one block with its ``pads`` padding units in place: after
+    each run of its last unit's (``template``) consecutive features, as many ``-1`` rows
+    as the run holds, times ``pads`` — where the model's own code would find a further head (after
+    the last query head of a ``[q | k | v]`` fused projection, inside each section of a
+    ``[Q | K | V]`` one, after a head's interleaved ``q k v``)."""
+    if not pads:
+        return mine
+    is_t = labels[mine] == template
+    out: list[np.ndarray] = []
+    start = run = 0
+    for j in range(mine.size):
+        run = run + 1 if is_t[j] else 0
+        # a run of the template's consecutive features ends here (GPT-2's head 6 at tp=4
+        # holds q, k and v features far apart: three runs, a padding head in each section)
+        if run and (j + 1 == mine.size or not is_t[j + 1] or mine[j + 1] != mine[j] + 1):
+            out += [mine[start : j + 1], np.full(run * pads, -1)]
+            start, run = j + 1, 0
+    out.append(mine[start:])
+    return np.concatenate(out)
+
+
 def _layouts_for(
     an: Analysis, region: _Region, on: np.ndarray, f: _Atoms, tp: int,
+    pads: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[tuple[str, int], BlockLayout] | str:
     """Each block's layout given the holdings ``on`` (:func:`_holdings`), or why the
-    region cannot be placed so."""
+    region cannot be placed so.  ``pads``: the ranks of the dealt units and each rank's
+    padding units (:func:`_deal_padded`)."""
     table = an.atoms
     out: dict[tuple[str, int], BlockLayout] = {}
+    templates = None if pads is None else [int(region.classes[pads[0] == r][-1]) for r in range(tp)]
     for b in region.blocks:
         blk = table.blocks[b]
         prim = np.arange(blk.start, blk.start + blk.size)
         held = on[:, f.label[prim]]  # (tp, size)
         per_rank = [np.nonzero(held[r])[0] for r in range(tp)]
+        if pads is not None and templates is not None:
+            labels = f.label[prim]
+            per_rank = [_padded(p, labels, templates[r], int(pads[1][r])) for r, p in enumerate(per_rank)]
         sizes = {len(p) for p in per_rank}
         if region.vocab and len(sizes) > 1:
             width = max(sizes)
@@ -215,10 +255,11 @@ def _layouts_for(
         if len(sizes) != 1 or 0 in sizes:
             return f"{blk.key[0]} dim {blk.key[1]} would get {sorted(len(p) for p in per_rank)} features per rank"
         out[blk.key] = BlockLayout(blk.key[0], blk.key[1], blk.size, np.stack(per_rank).astype(np.int64))
-    return _uneven_copies(region, on, f) or out
+    return _uneven_copies(region, on, f, None if pads is None or templates is None else (templates, pads[1])) or out
 
 
-def _uneven_copies(region: _Region, on: np.ndarray, f: _Atoms) -> str | None:
+def _uneven_copies(region: _Region, on: np.ndarray, f: _Atoms,
+                   pads: tuple[list[int], np.ndarray] | None = None) -> str | None:
     """Why a broadcast in the region cannot run on the local features, or ``None``.
 
     A rank computes every base feature it holds (a follower lands whole on each rank that
@@ -228,13 +269,18 @@ def _uneven_copies(region: _Region, on: np.ndarray, f: _Atoms) -> str | None:
     same on every rank.  A norm tying all KV heads into one unit while each rank's query
     heads use only one of them breaks that (OLMoE's ``k_norm`` with 2 KV heads at tp=4:
     every rank would expand both heads), as do query heads straddling KV groups (20
-    heads over 5 KV heads at tp=4: 4 copies of one head and 1 of the next)."""
+    heads over 5 KV heads at tp=4: 4 copies of one head and 1 of the next).  A padding
+    unit (``pads``: each rank's last unit and its number of padding units) uses the copies
+    its rank's last unit uses: the code broadcasts to it too."""
     followers = set(region.followers.tolist())
     for classes, base, copies in f.broadcasts:
         if not classes & followers:
             continue
         held = on[:, f.label[base]]  # (tp, base position): the rank computes it
         counts = on[:, f.label[copies]].sum(axis=1)  # (tp, base position): copies it holds
+        if pads is not None:
+            for r, (template, n) in enumerate(zip(*pads, strict=True)):
+                counts[r] += n * (f.label[copies] == template).sum(axis=0)
         per_rank = set()
         for r in np.nonzero(held.any(axis=1))[0]:
             per_rank |= set(np.unique(counts[r][held[r]]).tolist())
@@ -248,8 +294,10 @@ def valid_tp_sizes(n_units: int, upto: int = 128) -> list[int]:
     return [t for t in range(1, min(n_units, upto) + 1) if n_units % t == 0]
 
 
-def partition(an: Analysis, tp: int) -> Partition:
-    """Split every region's units over ``tp`` ranks; report regions that cannot split."""
+def partition(an: Analysis, tp: int, pad_units: bool = True) -> Partition:
+    """Split every region's units over ``tp`` ranks; report regions that cannot split.
+    ``pad_units``: units that do not divide by ``tp`` are dealt unevenly, with padding
+    units filling the ranks that hold fewer (:func:`_deal_padded`)."""
     f = _facts(an)
     table = an.atoms
     result = Partition(tp=tp, label=f.label, base=f.base)
@@ -263,6 +311,11 @@ def partition(an: Analysis, tp: int) -> Partition:
         ranks = _deal(tp, n, pad=region.vocab and n >= tp)
         held = _holdings(region, ranks, f, tp) if ranks is not None else None
         layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
+        padded = None if region.vocab or region.uneven or not pad_units else _deal_padded(tp, n)
+        if not isinstance(layouts, dict) and padded is not None:
+            ranks = padded[0]
+            held = _holdings(region, ranks, f, tp)
+            layouts = _layouts_for(an, region, held, f, tp, padded)
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
             valid = [t for t in valid_tp_sizes(n) if isinstance(

@@ -318,10 +318,11 @@ def _owner(fqn: str) -> tuple[str, str]:
 def _layout_kind(index: np.ndarray, size: int) -> str:
     tp, local = index.shape
     flat = index.reshape(-1)
-    if (flat < 0).any():
-        return "padded"
-    if np.unique(flat).size < flat.size:
+    real = flat[flat >= 0]
+    if np.unique(real).size < real.size:  # rows several ranks hold (padded or not): their gradients are summed
         return "kv_replicated"
+    if real.size < flat.size:
+        return "padded"
     if np.array_equal(flat, np.arange(size)):
         return "contiguous"
     return "fused"

@@ -63,8 +63,9 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
             runs = emb.runs[backend.rank]
             vocab_range = (runs[0][0], runs[0][0] + emb.local_shape[emb.shard_dim])
             localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
-        replicas = {n: by_alias[f"{mname}.{n}"] for n in names
-                    if f"{mname}.{n}" in by_alias and by_alias[f"{mname}.{n}"].layout == "kv_replicated"}
+        # rows several ranks hold (gradients summed) or padding rows (gradients zeroed)
+        replicas = {n: by_alias[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in by_alias
+                    and by_alias[f"{mname}.{n}"].layout in ("kv_replicated", "padded")}
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, paths in scoped.items():
         _install_scoped_swap(mods[mname], paths)

@@ -118,9 +118,10 @@ def gathers_fp8(plan: Plan, name: str) -> bool:
     """Whether FSDP2 can all-gather ``name``'s weight in FP8 (when the config's
     ``enable_fsdp_float8_all_gather`` is set; ``fp8=True`` sets it).  Not weights whose
     rows several TP ranks hold (replicated KV heads): their local tensor is summed over
-    the copies in backward, which needs it in high precision."""
+    the copies in backward, which needs it in high precision; nor weights with padding
+    rows (heads dealt unevenly), whose local tensor passes the same hook."""
     pp = plan.params.get(f"{name}.weight")
-    return pp is None or pp.layout != "kv_replicated"
+    return pp is None or pp.layout not in ("kv_replicated", "padded")
 
 
 def convert_fp8(model: nn.Module, plan: Plan, mesh: Any, fp8: Any,

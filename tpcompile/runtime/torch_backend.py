@@ -44,7 +44,7 @@ from ..plan.modules import (
     SplitStats,
     VocabEmbedding,
 )
-from ..plan.types import ParamPlan, select_rows
+from ..plan.types import ParamPlan, Role, select_rows
 from . import comm
 from .stats import SplitStatMode
 
@@ -151,7 +151,10 @@ class TorchBackend:
 
         ``swaps`` names the DTensor parameters used locally; ``replicas`` those whose
         rows several ranks hold (replicated KV heads): their gradients are summed over
-        the copies so every copy takes the same optimizer step.
+        the copies so every copy takes the same optimizer step — and those with padding
+        rows (heads dealt unevenly): a padding row's gradient is zero, so it stays zero
+        and its head adds nothing (a padding head's output reaches the model's output only
+        through the zero columns of the row-parallel weight, which would otherwise learn).
         """
         replicas = replicas or {}
         if (vocab_range is not None) != (mplan.op(VocabEmbedding) is not None):
@@ -165,6 +168,11 @@ class TorchBackend:
         }
         group = self.group
         state: dict[str, Any] = {}
+        # a padding head's features are zeroed where a column-parallel linear makes them
+        # (they are zero: this cuts their backward) and where they enter the row-parallel
+        # one: whatever the head computes in between (even a non-finite value, forward or
+        # backward) meets zeros
+        padding_in, padding_out = _padding_masks(module, replicas, self.rank)
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             saved: dict[str, Any] = {}
@@ -174,7 +182,11 @@ class TorchBackend:
                 saved[name] = p
                 local = _local(p)
                 if name in replica_index:
-                    local = _ReplicaGradSum.apply(local, *replica_index[name], group)
+                    index, rows, dim = replica_index[name]
+                    if replicas[name].layout == "kv_replicated":
+                        local = _ReplicaGradSum.apply(local, index, rows, dim, group)
+                    else:
+                        local = _PaddingGradZero.apply(local, index, dim)
                 mod._parameters[name] = local
             for h in handlers:
                 h.swap(mod, saved)
@@ -184,11 +196,14 @@ class TorchBackend:
             for n in shadowed:
                 mod.__dict__[n] = mod._parameters[n]
             state["shadowed"] = shadowed
+            if padding_in is not None and args:
+                args = (_zero_padding(args[0], padding_in), *args[1:])
             for h in handlers:
                 args, kwargs = h.pre(args, kwargs, state)
             return args, kwargs
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            out = _zero_padding(out, padding_out)
             for h in handlers:
                 out = h.post(mod, out, state)
             return out
@@ -392,11 +407,58 @@ class _ReplicaGradSum(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (index,) = ctx.saved_tensors
         index = index.to(grad.device)
+        real = torch.nonzero(index >= 0).flatten()  # padding rows (-1) get a zero gradient
         shape = list(grad.shape)
         shape[ctx.dim] = ctx.rows
-        full = grad.new_zeros(shape).index_add_(ctx.dim, index, grad)
+        full = grad.new_zeros(shape).index_add_(ctx.dim, index[real], grad.index_select(ctx.dim, real))
         torch.distributed.all_reduce(full, group=ctx.group)
-        return full.index_select(ctx.dim, index), None, None, None, None
+        out = torch.zeros_like(grad).index_copy_(ctx.dim, real, full.index_select(ctx.dim, index[real]))
+        return out, None, None, None, None
+
+
+def _padding_masks(module: nn.Module, params: dict[str, ParamPlan],
+                   rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``True`` at each padding feature (a padding head's) of a linear's input (row-
+    parallel) and of its output (column-parallel), or ``None``: ``nn.Linear``'s ``[out,
+    in]`` and ``Conv1D``'s ``[in, out]`` weights, whose activations' last dim is the
+    sharded one."""
+    pp = params.get("weight")
+    if pp is None or pp.shard_dim is None or pp.runs is None:
+        return None, None
+    pads = torch.as_tensor(pp.index()[rank] < 0)
+    if not pads.any():
+        return None, None
+    conv1d = type(module).__name__ == "Conv1D"
+    if not isinstance(module, nn.Linear) and not conv1d:
+        return None, None
+    dim_in, dim_out = (0, 1) if conv1d else (1, 0)
+    return (pads if pp.role is Role.ROW and pp.shard_dim == dim_in else None,
+            pads if pp.role is Role.COLUMN and pp.shard_dim == dim_out else None)
+
+
+def _zero_padding(t: Any, pads: torch.Tensor | None) -> Any:
+    """``t`` with its padding features set to zero (``masked_fill``: a NaN too), so
+    nothing a padding head computes, forward or backward, reaches a real feature."""
+    if pads is None or not isinstance(t, torch.Tensor) or t.shape[-1:] != pads.shape:
+        return t
+    return t.masked_fill(pads.to(t.device), 0)
+
+
+class _PaddingGradZero(torch.autograd.Function):
+    """Identity forward; backward zeroes the gradient of the padding rows (``index < 0``)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.dim = dim
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (index,) = ctx.saved_tensors
+        shape = [1] * grad.dim()
+        shape[ctx.dim] = -1
+        return grad.masked_fill((index < 0).to(grad.device).view(shape), 0), None, None
 
 
 # autograd nodes of views: a tensor reached only through them is its base, seen differently

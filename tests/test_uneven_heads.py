@@ -1,0 +1,148 @@
+"""Heads that no tp divides, dealt unevenly: 7 heads at tp=4 as 2/2/2/1 plus a padding head.
+
+The plan (single process): each rank holds the same local shapes, the short rank a
+padding head of zero rows where the model's code finds its next head, and a region
+whose padded features would enter a statistic stays whole.  Training (one world-4
+launch over gloo): under FSDP2 the losses of AdamW steps equal one process's, the padding
+rows stay zero through the steps, a sharded checkpoint taken at tp=2 x dp_shard=2
+resumes at tp=4 (another padding) with equal losses, and delayed init gives the same
+weights at both layouts.  Exactness of outputs, every gradient and ``generate`` per
+family is in ``test_families`` (the ``*_uneven`` cases).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from dist import global_step, run_distributed
+from families import build
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import tpcompile
+import tpcompile.checkpoint as ckpt
+
+REL = 1e-5
+LR = 1e-2
+QKV = "transformer.h.0.self_attention.query_key_value.weight"
+DENSE = "transformer.h.0.self_attention.dense.weight"
+
+
+def test_seven_heads_at_tp4_are_dealt_with_a_padding_head() -> None:
+    plan = tpcompile.plan_model(build("falcon_uneven", "sdpa"), tp=4)
+    qkv, dense = plan.params[QKV], plan.params[DENSE]
+    # [q heads | k | v] rows, 16 per head: ranks 0-2 hold two query heads, rank 3 one and
+    # a padding head before the one KV head every rank holds
+    assert qkv.layout == "kv_replicated" and qkv.local_shape == [64, 112]
+    assert qkv.runs[0] == [[0, 32], [112, 144]]
+    assert qkv.runs[3] == [[96, 112], [-1, 16], [112, 144]]
+    assert dense.layout == "padded" and dense.runs[3] == [[96, 112], [-1, 16]]
+    assert plan.modules["transformer.h.0.self_attention"].attr_fixups["num_heads"] == [7, 2]
+    # GPT-2's [Q | K | V] sections get a padding head each
+    gpt2 = tpcompile.plan_model(build("gpt2_uneven", "eager"), tp=4).params["transformer.h.0.attn.c_attn.weight"]
+    assert gpt2.runs[3] == [[96, 112], [-1, 16], [208, 224], [-1, 16], [320, 336], [-1, 16]]
+
+
+def test_a_statistic_over_padded_heads_keeps_them_whole() -> None:
+    # BitNet's attn_sub_norm reduces over every head's output: a padding head's output is
+    # not zero, so it would enter the statistic; the attention stays whole
+    plan = tpcompile.plan_model(build("bitnet_uneven", "eager"), tp=2)
+    assert plan.params["model.layers.0.self_attn.o_proj.weight"].layout == "replicated"
+    assert plan.params["model.layers.0.mlp.down_proj.weight"].layout == "contiguous"
+
+
+class _UnitHeads(nn.Module):
+    """Seven heads, each scaled to unit length without an epsilon: a padding head's zero
+    query becomes 0 / 0 = NaN, which zero weights alone would carry to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.up = nn.Linear(32, 7 * 8)
+        self.down = nn.Linear(7 * 8, 32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.emb(input_ids)).unflatten(-1, (-1, 8))
+        return self.down((h / h.norm(dim=-1, keepdim=True)).flatten(-2))
+
+
+def _unit_heads() -> dict:
+    torch.manual_seed(0)
+    ref = _UnitHeads()
+    model = tpcompile.transform(copy.deepcopy(ref), tp=4)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    want, got = ref(ids), model(ids)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    grad = model.up.weight.grad
+    grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return {"layout": model.tpcompile_plan.params["up.weight"].layout, "out": (got - want).abs().max().item(),
+            "finite_grad": bool(torch.isfinite(grad).all())}
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (4, 9), generator=g) for _ in range(4)]
+
+
+@functools.cache
+def _reference() -> tuple[float, ...]:
+    model = build("falcon_uneven", "sdpa").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    return tuple(global_step(model, opt, ids) for ids in _batches())
+
+
+def _padding_values(model: torch.nn.Module) -> float:
+    """The largest magnitude in this rank's padding rows (of the TP-local tensors)."""
+    worst = 0.0
+    plan = model.tpcompile_plan
+    tp = model.tpcompile_parallel.tp
+    for name in (QKV, DENSE):
+        p, pp = dict(model.named_parameters())[name], plan.params[name]
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # FSDP2's dp shards gathered
+        for part, index in zip(full.chunk(tp, dim=pp.shard_dim), pp.index(), strict=True):
+            pad = torch.as_tensor(index < 0).nonzero().flatten()
+            worst = max(worst, part.index_select(pp.shard_dim, pad).abs().max().item() if pad.numel() else 0.0)
+    return worst
+
+
+def _world4(rank: int, world: int, root: str) -> dict:
+    batches = _batches()
+    model = build("falcon_uneven", "sdpa").train()
+    tpcompile.parallelize(model, tp=2, dp_shard=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out: dict = {"before": [global_step(model, opt, b) for b in batches[:2]], "padding": _padding_values(model)}
+    ckpt.save(Path(root) / "sharded", model, opt, kind="sharded")
+    resumed = build("falcon_uneven", "sdpa").train()
+    tpcompile.parallelize(resumed, tp=4, dp_shard=1)
+    opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    ckpt.load(Path(root) / "sharded", resumed, opt)
+    out["resumed"] = [global_step(resumed, opt, b) for b in batches[2:]]
+    out["padding_tp4"] = _padding_values(resumed)
+    delayed = {}
+    for layout in ({"tp": 2, "dp_shard": 2}, {"tp": 4}):
+        meta = build("falcon_uneven", "sdpa", meta=True)
+        tpcompile.parallelize(meta, seed=0, **layout)
+        delayed[layout["tp"]] = tpcompile.hf_state_dict(meta)
+        out[f"padding_delayed_tp{layout['tp']}"] = _padding_values(meta)
+    out["delayed_equal"] = all(torch.equal(v, delayed[4][k]) for k, v in delayed[2].items())
+    out["unit_heads"] = _unit_heads()
+    return out
+
+
+@pytest.mark.slow
+def test_uneven_heads_train_resume_and_init_across_layouts(tmp_path: Path) -> None:
+    want = _reference()
+    for r in run_distributed(_world4, 4, str(tmp_path), timeout=900):
+        assert r["before"] == pytest.approx(want[:2], rel=REL)
+        assert r["resumed"] == pytest.approx(want[2:], rel=REL)  # tp=2 x dp2 -> tp=4: another padding
+        for key in ("padding", "padding_tp4", "padding_delayed_tp2", "padding_delayed_tp4"):
+            assert r[key] == 0.0, key
+        assert r["delayed_equal"]
+        # the padding head's NaN is zeroed where it enters the row-parallel linear
+        unit = r["unit_heads"]
+        assert unit["layout"] == "padded" and unit["out"] < 1e-6 and unit["finite_grad"], unit
