@@ -33,7 +33,7 @@ __all__ = ["GENERATES", "build"]
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom",
-             "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven"}
+             "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -171,6 +171,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.T5ForConditionalGeneration, hf.T5Config(
             d_model=112, d_kv=16, num_heads=7, d_ff=128, num_layers=2, num_decoder_layers=2,
             decoder_start_token_id=0, **{**ids, "eos_token_id": 1})
+    if name == "qwen2_uneven":  # 14 heads over 2 KV heads: at tp=4 each group's 7 on two ranks, 4 + 3 and a pad
+        return hf.Qwen2ForCausalLM, hf.Qwen2Config(
+            hidden_size=112, intermediate_size=128, num_hidden_layers=2, num_attention_heads=14,
+            num_key_value_heads=2, max_position_embeddings=128, **ids)
     if name == "bitnet_uneven":  # a statistic over the heads' output: padding would enter it, kept whole
         return hf.BitNetForCausalLM, hf.BitNetConfig(
             hidden_size=112, intermediate_size=128, num_hidden_layers=2, num_attention_heads=7,

@@ -144,7 +144,7 @@ CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2",
              ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
              ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None),
              ("falcon_uneven", "sdpa"), ("gpt2_uneven", "eager"), ("mpt_uneven", None), ("t5_uneven", "sdpa"),
-             ("bitnet_uneven", "eager")]
+             ("bitnet_uneven", "eager"), ("qwen2_uneven", "eager")]
 
 
 @pytest.mark.slow

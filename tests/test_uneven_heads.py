@@ -1,8 +1,9 @@
 """Heads that no tp divides, dealt unevenly: 7 heads at tp=4 as 2/2/2/1 plus a padding head.
 
 The plan (single process): each rank holds the same local shapes, the short rank a
-padding head of zero rows where the model's code finds its next head, and a region
-whose padded features would enter a statistic stays whole.  Training (one world-4
+padding head of zero rows where the model's code finds its next head; query heads that
+share KV heads are padded within their groups; a region whose padded features would
+enter a statistic stays whole; a padding head that computes a NaN reaches nothing.  Training (one world-4
 launch over gloo): under FSDP2 the losses of AdamW steps equal one process's, the padding
 rows stay zero through the steps, a sharded checkpoint taken at tp=2 x dp_shard=2
 resumes at tp=4 (another padding) with equal losses, and delayed init gives the same
@@ -45,6 +46,16 @@ def test_seven_heads_at_tp4_are_dealt_with_a_padding_head() -> None:
     # GPT-2's [Q | K | V] sections get a padding head each
     gpt2 = tpcompile.plan_model(build("gpt2_uneven", "eager"), tp=4).params["transformer.h.0.attn.c_attn.weight"]
     assert gpt2.runs[3] == [[96, 112], [-1, 16], [208, 224], [-1, 16], [320, 336], [-1, 16]]
+
+
+def test_query_heads_are_padded_within_their_kv_groups() -> None:
+    # 14 heads over 2 KV heads at tp=4: each group's 7 heads on two ranks (4, and 3 with
+    # a padding head), each rank one KV head, never heads of two groups
+    plan = tpcompile.plan_model(build("qwen2_uneven", "sdpa"), tp=4)
+    q, k = (plan.params[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qk")
+    assert q.runs == [[[0, 32]], [[32, 56], [-1, 8]], [[56, 88]], [[88, 112], [-1, 8]]]
+    assert k.runs == [[[0, 8]], [[0, 8]], [[8, 16]], [[8, 16]]]
+    assert plan.modules["model.layers.0.self_attn"].attr_fixups["num_key_value_groups"] == [7, 4]
 
 
 def test_a_statistic_over_padded_heads_keeps_them_whole() -> None:

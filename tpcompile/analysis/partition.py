@@ -138,6 +138,44 @@ def _deal_padded(tp: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     return np.repeat(np.arange(tp), counts), per - counts
 
 
+def _deal_grouped(tp: int, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Query heads dealt within their KV groups when the groups do not divide ``tp``'s
+    query heads evenly (Qwen2-7B's 28 heads over 4 KV heads at tp=8): each group's heads
+    go to ``tp / groups`` ranks, unevenly with padding (4 + 3 and a padding head), so no
+    rank holds heads of two groups.  ``groups``: each unit's group, in deal order."""
+    ids, first, counts = np.unique(groups, return_index=True, return_counts=True)
+    n_groups = ids.size
+    if tp % n_groups or len(set(counts.tolist())) != 1:
+        return None
+    size, span = int(counts[0]), tp // n_groups
+    order = ids[np.argsort(first)]
+    if not np.array_equal(groups, np.repeat(order, size)):  # each group's heads one run
+        return None
+    inner = _deal_padded(span, size)
+    if inner is None:
+        return None
+    return (np.concatenate([k * span + inner[0] for k in range(n_groups)]), np.tile(inner[1], n_groups))
+
+
+def _groups(region: _Region, f: _Atoms) -> np.ndarray | None:
+    """The KV group of each of the region's units in deal order — the follower classes
+    whose broadcast copies it reads (a KV head's features), named by the first — or
+    ``None`` when some unit reads none."""
+    followers = set(region.followers.tolist())
+    pairs = [np.stack([f.label[copies].reshape(-1), np.broadcast_to(f.label[base], copies.shape).reshape(-1)], 1)
+             for classes, base, copies in f.broadcasts if classes & followers]
+    if not pairs:
+        return None
+    read: dict[int, set[int]] = {}
+    for unit, group in np.unique(np.concatenate(pairs), axis=0).tolist():
+        read.setdefault(unit, set()).add(group)
+    out = [read.get(int(c)) for c in region.classes]
+    if any(g is None for g in out):
+        return None
+    names = {frozenset(g): i for i, g in enumerate(dict.fromkeys(frozenset(g) for g in out))}
+    return np.array([names[frozenset(g)] for g in out])
+
+
 def _facts(an: Analysis) -> _Atoms:
     table = an.atoms
     ea, eb = an.edges()
@@ -311,11 +349,16 @@ def partition(an: Analysis, tp: int, pad_units: bool = True) -> Partition:
         ranks = _deal(tp, n, pad=region.vocab and n >= tp)
         held = _holdings(region, ranks, f, tp) if ranks is not None else None
         layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
-        padded = None if region.vocab or region.uneven or not pad_units else _deal_padded(tp, n)
-        if not isinstance(layouts, dict) and padded is not None:
-            ranks = padded[0]
-            held = _holdings(region, ranks, f, tp)
-            layouts = _layouts_for(an, region, held, f, tp, padded)
+        if not isinstance(layouts, dict) and pad_units and not (region.vocab or region.uneven):
+            groups = _groups(region, f)
+            for padded in (_deal_padded(tp, n), None if groups is None else _deal_grouped(tp, groups)):
+                if padded is None:
+                    continue
+                ranks = padded[0]
+                held = _holdings(region, ranks, f, tp)
+                layouts = _layouts_for(an, region, held, f, tp, padded)
+                if isinstance(layouts, dict):
+                    break
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
             valid = [t for t in valid_tp_sizes(n) if isinstance(

@@ -44,8 +44,9 @@ from ..plan.modules import (
     SplitStats,
     VocabEmbedding,
 )
-from ..plan.types import ParamPlan, Role, select_rows
+from ..plan.types import ParamPlan, select_rows
 from . import comm
+from .rows import PaddingGradZero, ReplicaGradSum, padding_masks, zero_padding
 from .stats import SplitStatMode
 
 __all__ = ["HANDLERS", "OpHooks", "TorchBackend", "handler_for"]
@@ -172,7 +173,7 @@ class TorchBackend:
         # (they are zero: this cuts their backward) and where they enter the row-parallel
         # one: whatever the head computes in between (even a non-finite value, forward or
         # backward) meets zeros
-        padding_in, padding_out = _padding_masks(module, replicas, self.rank)
+        padding_in, padding_out = padding_masks(module, replicas, self.rank)
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             saved: dict[str, Any] = {}
@@ -184,9 +185,9 @@ class TorchBackend:
                 if name in replica_index:
                     index, rows, dim = replica_index[name]
                     if replicas[name].layout == "kv_replicated":
-                        local = _ReplicaGradSum.apply(local, index, rows, dim, group)
+                        local = ReplicaGradSum.apply(local, index, rows, dim, group)
                     else:
-                        local = _PaddingGradZero.apply(local, index, dim)
+                        local = PaddingGradZero.apply(local, index, dim)
                 mod._parameters[name] = local
             for h in handlers:
                 h.swap(mod, saved)
@@ -197,13 +198,13 @@ class TorchBackend:
                 mod.__dict__[n] = mod._parameters[n]
             state["shadowed"] = shadowed
             if padding_in is not None and args:
-                args = (_zero_padding(args[0], padding_in), *args[1:])
+                args = (zero_padding(args[0], padding_in), *args[1:])
             for h in handlers:
                 args, kwargs = h.pre(args, kwargs, state)
             return args, kwargs
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            out = _zero_padding(out, padding_out)
+            out = zero_padding(out, padding_out)
             for h in handlers:
                 out = h.post(mod, out, state)
             return out
@@ -387,78 +388,6 @@ def handler_for(op: Any) -> type[OpHooks]:
             return HANDLERS[cls]
     raise TypeError(f"the torch backend has no handler for module op {type(op).__name__}; "
                     f"registered: {sorted(c.__name__ for c in HANDLERS)}")
-
-
-class _ReplicaGradSum(torch.autograd.Function):
-    """Identity forward; backward sums the gradient of every copy of each global row.
-
-    Each rank's local rows are scattered into the (small) global row space, summed over
-    the TP group, and read back, so all copies of a replicated KV head get the full
-    gradient — exactly the unsharded model's.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, rows: int, dim: int, group: Any) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows, ctx.dim, ctx.group = rows, dim, group
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (index,) = ctx.saved_tensors
-        index = index.to(grad.device)
-        real = torch.nonzero(index >= 0).flatten()  # padding rows (-1) get a zero gradient
-        shape = list(grad.shape)
-        shape[ctx.dim] = ctx.rows
-        full = grad.new_zeros(shape).index_add_(ctx.dim, index[real], grad.index_select(ctx.dim, real))
-        torch.distributed.all_reduce(full, group=ctx.group)
-        out = torch.zeros_like(grad).index_copy_(ctx.dim, real, full.index_select(ctx.dim, index[real]))
-        return out, None, None, None, None
-
-
-def _padding_masks(module: nn.Module, params: dict[str, ParamPlan],
-                   rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``True`` at each padding feature (a padding head's) of a linear's input (row-
-    parallel) and of its output (column-parallel), or ``None``: ``nn.Linear``'s ``[out,
-    in]`` and ``Conv1D``'s ``[in, out]`` weights, whose activations' last dim is the
-    sharded one."""
-    pp = params.get("weight")
-    if pp is None or pp.shard_dim is None or pp.runs is None:
-        return None, None
-    pads = torch.as_tensor(pp.index()[rank] < 0)
-    if not pads.any():
-        return None, None
-    conv1d = type(module).__name__ == "Conv1D"
-    if not isinstance(module, nn.Linear) and not conv1d:
-        return None, None
-    dim_in, dim_out = (0, 1) if conv1d else (1, 0)
-    return (pads if pp.role is Role.ROW and pp.shard_dim == dim_in else None,
-            pads if pp.role is Role.COLUMN and pp.shard_dim == dim_out else None)
-
-
-def _zero_padding(t: Any, pads: torch.Tensor | None) -> Any:
-    """``t`` with its padding features set to zero (``masked_fill``: a NaN too), so
-    nothing a padding head computes, forward or backward, reaches a real feature."""
-    if pads is None or not isinstance(t, torch.Tensor) or t.shape[-1:] != pads.shape:
-        return t
-    return t.masked_fill(pads.to(t.device), 0)
-
-
-class _PaddingGradZero(torch.autograd.Function):
-    """Identity forward; backward zeroes the gradient of the padding rows (``index < 0``)."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.dim = dim
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (index,) = ctx.saved_tensors
-        shape = [1] * grad.dim()
-        shape[ctx.dim] = -1
-        return grad.masked_fill((index < 0).to(grad.device).view(shape), 0), None, None
 
 
 # autograd nodes of views: a tensor reached only through them is its base, seen differently
