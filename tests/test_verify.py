@@ -71,8 +71,9 @@ def test_verify_injected_fault_names_the_module(capfd: pytest.CaptureFixture[str
 
 @pytest.mark.slow
 def test_verify_transform_error_exits_1(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    # 3 KV heads = 3 heads cannot split over 2 ranks; the shrunk copy keeps the 3.
-    AutoConfig.for_model("llama", num_attention_heads=3, num_key_value_heads=3,
+    # 6 query heads over 3 KV heads cannot split over 2 ranks (a rank would hold heads of
+    # two KV groups, padded or not); the shrunk copy keeps them.
+    AutoConfig.for_model("llama", num_attention_heads=6, num_key_value_heads=3,
                          hidden_size=384).save_pretrained(tmp_path)
     code, out, err = _verify_in_process(capfd, str(tmp_path / "config.json"), "--tp", "2",
                                         "--no-generate")

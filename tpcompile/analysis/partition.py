@@ -332,6 +332,28 @@ def valid_tp_sizes(n_units: int, upto: int = 128) -> list[int]:
     return [t for t in range(1, min(n_units, upto) + 1) if n_units % t == 0]
 
 
+def _place(an: Analysis, region: _Region, f: _Atoms, tp: int, pad_units: bool) -> tuple[
+        np.ndarray | None, np.ndarray | None, dict[tuple[str, int], BlockLayout] | str | None]:
+    """``(ranks, holdings, layouts)`` of ``region`` over ``tp`` ranks — dealt evenly, else
+    (``pad_units``) unevenly with padding units, plainly or within KV groups — or the
+    layouts slot holds why not (``None``: the units do not divide)."""
+    n = region.classes.size
+    ranks = _deal(tp, n, pad=region.vocab and n >= tp)
+    held = _holdings(region, ranks, f, tp) if ranks is not None else None
+    layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
+    if isinstance(layouts, dict) or not pad_units or region.vocab or region.uneven:
+        return ranks, held, layouts
+    groups = _groups(region, f)
+    for padded in (_deal_padded(tp, n), None if groups is None else _deal_grouped(tp, groups)):
+        if padded is None:
+            continue
+        tried = _layouts_for(an, region, _holdings(region, padded[0], f, tp), f, tp, padded)
+        if isinstance(tried, dict):
+            return padded[0], _holdings(region, padded[0], f, tp), tried
+        layouts = layouts or tried
+    return ranks, held, layouts
+
+
 def partition(an: Analysis, tp: int, pad_units: bool = True) -> Partition:
     """Split every region's units over ``tp`` ranks; report regions that cannot split.
     ``pad_units``: units that do not divide by ``tp`` are dealt unevenly, with padding
@@ -346,23 +368,12 @@ def partition(an: Analysis, tp: int, pad_units: bool = True) -> Partition:
         if n <= 1:
             result.failures.append(RegionFailure(keys, 1, "one indivisible unit", [1], single_unit=True))
             continue
-        ranks = _deal(tp, n, pad=region.vocab and n >= tp)
-        held = _holdings(region, ranks, f, tp) if ranks is not None else None
-        layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
-        if not isinstance(layouts, dict) and pad_units and not (region.vocab or region.uneven):
-            groups = _groups(region, f)
-            for padded in (_deal_padded(tp, n), None if groups is None else _deal_grouped(tp, groups)):
-                if padded is None:
-                    continue
-                ranks = padded[0]
-                held = _holdings(region, ranks, f, tp)
-                layouts = _layouts_for(an, region, held, f, tp, padded)
-                if isinstance(layouts, dict):
-                    break
+        ranks, held, layouts = _place(an, region, f, tp, pad_units)
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
-            valid = [t for t in valid_tp_sizes(n) if isinstance(
-                _layouts_for(an, region, _holdings(region, _deal(t, n, False), f, t), f, t), dict)]
+            # what would work, the uneven deals included: every divisor and power of two
+            tries = sorted(set(valid_tp_sizes(n)) | {t for t in (2, 4, 8, 16, 32, 64) if t <= n})
+            valid = [t for t in tries if t == 1 or isinstance(_place(an, region, f, t, pad_units)[2], dict)]
             result.failures.append(RegionFailure(keys, n, reason, valid, uneven_units=region.uneven))
             continue
         result.layouts.update(layouts)
