@@ -6,8 +6,8 @@ share KV heads are padded within their groups; a region whose padded features wo
 enter a statistic stays whole; a padding head that computes a NaN reaches nothing.  Training (one world-4
 launch over gloo): under FSDP2 the losses of AdamW steps equal one process's, the padding
 rows stay zero through the steps, a sharded checkpoint taken at tp=2 x dp_shard=2
-resumes at tp=4 (another padding) with equal losses, and delayed init gives the same
-weights at both layouts.  Exactness of outputs, every gradient and ``generate`` per
+resumes at tp=4 (another padding) with equal losses, delayed init gives the same
+weights at both layouts, and pp=2 x tp=2 trains equal losses.  Exactness of outputs, every gradient and ``generate`` per
 family is in ``test_families`` (the ``*_uneven`` cases).
 """
 
@@ -142,6 +142,14 @@ def _world4(rank: int, world: int, root: str) -> dict:
         out[f"padding_delayed_tp{layout['tp']}"] = _padding_values(meta)
     out["delayed_equal"] = all(torch.equal(v, delayed[4][k]) for k, v in delayed[2].items())
     out["unit_heads"] = _unit_heads()
+    piped = build("falcon_uneven", "sdpa").train()  # pp=2 x tp=2: each stage's heads padded
+    tpcompile.parallelize(piped, tp=2, pp=2, pp_microbatches=2, pp_schedule="1f1b")
+    opt = torch.optim.AdamW(piped.parameters(), lr=LR)
+    out["pipelined"] = []
+    for b in batches[:2]:
+        out["pipelined"].append(float(tpcompile.pipeline_step(piped, {"input_ids": b, "labels": b})))
+        opt.step()
+        opt.zero_grad()
     return out
 
 
@@ -151,6 +159,7 @@ def test_uneven_heads_train_resume_and_init_across_layouts(tmp_path: Path) -> No
     for r in run_distributed(_world4, 4, str(tmp_path), timeout=900):
         assert r["before"] == pytest.approx(want[:2], rel=REL)
         assert r["resumed"] == pytest.approx(want[2:], rel=REL)  # tp=2 x dp2 -> tp=4: another padding
+        assert r["pipelined"] == pytest.approx(want[:2], rel=REL)
         for key in ("padding", "padding_tp4", "padding_delayed_tp2", "padding_delayed_tp4"):
             assert r[key] == 0.0, key
         assert r["delayed_equal"]
