@@ -128,6 +128,7 @@ def _world4(rank: int, world: int, root: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict = {"before": [global_step(model, opt, b) for b in batches[:2]], "padding": _padding_values(model)}
     ckpt.save(Path(root) / "sharded", model, opt, kind="sharded")
+    out["hf"] = tpcompile.hf_state_dict(model)  # what the checkpoint holds, padding dropped
     resumed = build("falcon_uneven", "sdpa").train()
     tpcompile.parallelize(resumed, tp=4, dp_shard=1)
     opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
@@ -156,7 +157,16 @@ def _world4(rank: int, world: int, root: str) -> dict:
 @pytest.mark.slow
 def test_uneven_heads_train_resume_and_init_across_layouts(tmp_path: Path) -> None:
     want = _reference()
-    for r in run_distributed(_world4, 4, str(tmp_path), timeout=900):
+    results = run_distributed(_world4, 4, str(tmp_path), timeout=900)
+    # the sharded checkpoint translates to an HF directory of exactly the trained weights
+    from transformers import FalconForCausalLM
+
+    from tpcompile.tools.cli import main
+
+    assert main(["translate", str(tmp_path / "sharded"), str(tmp_path / "hf"), "--quiet"]) == 0
+    got = FalconForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(got[k], v) for k, v in results[0]["hf"].items())
+    for r in results:
         assert r["before"] == pytest.approx(want[:2], rel=REL)
         assert r["resumed"] == pytest.approx(want[2:], rel=REL)  # tp=2 x dp2 -> tp=4: another padding
         assert r["pipelined"] == pytest.approx(want[:2], rel=REL)
