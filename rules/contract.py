@@ -361,6 +361,33 @@ def index(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(an.aligned_to(np.asarray(rest), an.ndim(node)))
 
 
+@rule(aten.gather)
+def gather(an: Analysis, node: torch.fx.Node) -> object:
+    """``src.gather(dim, index)``: each output element reads the element of ``src`` along
+    ``dim`` that ``index`` names (a router's scores at its top-k experts).  Which one the
+    data chooses, so ``src``'s features along ``dim`` are tied; along the other dims they
+    stay where ``index`` spans the whole dim; ``index``'s own features meet the output's."""
+    src, dim, index = node.args[:3]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return None
+    nd = an.ndim(node)
+    d = dim % nd
+    parts = []
+    if isinstance(v, Feat):
+        atoms = an.union_along(an.aligned_to(v.atoms, an.ndim(src)), [d])
+        whole = [k for k in range(nd) if k != d and atoms.shape[k] > 1 and an.shape(index)[k] != an.shape(src)[k]]
+        if whole:
+            an.poison_node(node, "gather over part of a dim with sharded features", v)
+            return None
+        parts.append(atoms)
+    iv = an.val(index)
+    if isinstance(iv, Feat):
+        parts.append(an.aligned_to(iv.atoms, an.ndim(index)))
+    return an.feat(an.tie(parts)) if parts else None
+
+
 @rule(aten.einsum)
 def einsum(an: Analysis, node: torch.fx.Node) -> object:
     """An einsum of activations read from its equation, with matmul's algebra: operands'
@@ -407,4 +434,4 @@ def einsum(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(out)
 
 
-CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, einsum, sdpa, embedding, conv, index]
+CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, einsum, sdpa, embedding, conv, index, gather]

@@ -170,6 +170,32 @@ def test_unknown_op_strict_names_module_and_op() -> None:
         tpcompile.plan_model(model, tp=2)
 
 
+class Routed(nn.Module):
+    """A router's scores gathered at its top-2 choices scale an MLP (DeepSeek-V4's gate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.Embedding(VOCAB, HIDDEN)
+        self.gate = nn.Linear(HIDDEN, 8, bias=False)
+        self.up = nn.Linear(HIDDEN, 128)
+        self.down = nn.Linear(128, HIDDEN)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.e(input_ids)
+        scores = self.gate(x).softmax(-1)
+        weight = scores.gather(-1, scores.topk(2, dim=-1).indices).sum(-1, keepdim=True)
+        return self.down(torch.relu(self.up(x))) * weight
+
+
+def test_gathered_router_scores_stay_whole_and_the_mlp_splits() -> None:
+    # the gather reads the scores across the router's features: they tie, the router is
+    # one unit kept whole, and strict planning needs no rule from the user
+    with torch.device("meta"):
+        model = Routed()
+    roles = tpcompile.plan_model(model, tp=2).roles()
+    assert (roles["gate.weight"], roles["up.weight"], roles["down.weight"]) == ("replicated", "column", "row")
+
+
 def test_unknown_op_non_strict_replicates_with_warning() -> None:
     with torch.device("meta"):
         model = Weird()
