@@ -7,7 +7,9 @@ units, in the order of their first parameter's features, are dealt out to ``tp``
 contiguous runs; a parameter's shard on rank ``r`` is then the sorted set of its features
 held by rank ``r``'s units.  That set is a contiguous slice for a plain column/row linear,
 ``[q_r | k_r | v_r]`` for a fused QKV, and overlaps between ranks when KV heads are
-replicated.
+replicated.  Units that do not divide by ``tp`` are dealt unevenly, the short ranks
+holding padding units (``-1`` rows) where their code finds its next unit, plainly or
+within the query heads' KV groups.
 """
 
 from __future__ import annotations
