@@ -278,15 +278,16 @@ def _layouts_for(
     padding units (:func:`_deal_padded`)."""
     table = an.atoms
     out: dict[tuple[str, int], BlockLayout] = {}
-    templates = None if pads is None else [int(region.classes[pads[0] == r][-1]) for r in range(tp)]
+    # each rank's last unit (where its padding goes) and its number of padding units
+    padding = None if pads is None else ([int(region.classes[pads[0] == r][-1]) for r in range(tp)], pads[1])
     for b in region.blocks:
         blk = table.blocks[b]
         prim = np.arange(blk.start, blk.start + blk.size)
         held = on[:, f.label[prim]]  # (tp, size)
         per_rank = [np.nonzero(held[r])[0] for r in range(tp)]
-        if pads is not None and templates is not None:
+        if padding is not None:
             labels = f.label[prim]
-            per_rank = [_padded(p, labels, templates[r], int(pads[1][r])) for r, p in enumerate(per_rank)]
+            per_rank = [_padded(p, labels, padding[0][r], int(padding[1][r])) for r, p in enumerate(per_rank)]
         sizes = {len(p) for p in per_rank}
         if region.vocab and len(sizes) > 1:
             width = max(sizes)
@@ -295,7 +296,7 @@ def _layouts_for(
         if len(sizes) != 1 or 0 in sizes:
             return f"{blk.key[0]} dim {blk.key[1]} would get {sorted(len(p) for p in per_rank)} features per rank"
         out[blk.key] = BlockLayout(blk.key[0], blk.key[1], blk.size, np.stack(per_rank).astype(np.int64))
-    return _uneven_copies(region, on, f, None if pads is None or templates is None else (templates, pads[1])) or out
+    return _uneven_copies(region, on, f, padding) or out
 
 
 def _uneven_copies(region: _Region, on: np.ndarray, f: _Atoms,
@@ -334,32 +335,34 @@ def valid_tp_sizes(n_units: int, upto: int = 128) -> list[int]:
     return [t for t in range(1, min(n_units, upto) + 1) if n_units % t == 0]
 
 
-def _place(an: Analysis, region: _Region, f: _Atoms, tp: int, pad_units: bool) -> tuple[
+def _place(an: Analysis, region: _Region, f: _Atoms, tp: int) -> tuple[
         np.ndarray | None, np.ndarray | None, dict[tuple[str, int], BlockLayout] | str | None]:
     """``(ranks, holdings, layouts)`` of ``region`` over ``tp`` ranks — dealt evenly, else
-    (``pad_units``) unevenly with padding units, plainly or within KV groups — or the
-    layouts slot holds why not (``None``: the units do not divide)."""
+    unevenly with padding units, plainly or within KV groups (not the vocabulary, which
+    pads its own way, nor units of unequal sizes) — or the layouts slot holds why not
+    (``None``: the units do not divide)."""
     n = region.classes.size
     ranks = _deal(tp, n, pad=region.vocab and n >= tp)
     held = _holdings(region, ranks, f, tp) if ranks is not None else None
     layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
-    if isinstance(layouts, dict) or not pad_units or region.vocab or region.uneven:
+    if isinstance(layouts, dict) or region.vocab or region.uneven:
         return ranks, held, layouts
     groups = _groups(region, f)
     for padded in (_deal_padded(tp, n), None if groups is None else _deal_grouped(tp, groups)):
         if padded is None:
             continue
-        tried = _layouts_for(an, region, _holdings(region, padded[0], f, tp), f, tp, padded)
+        on = _holdings(region, padded[0], f, tp)
+        tried = _layouts_for(an, region, on, f, tp, padded)
         if isinstance(tried, dict):
-            return padded[0], _holdings(region, padded[0], f, tp), tried
+            return padded[0], on, tried
         layouts = layouts or tried
     return ranks, held, layouts
 
 
-def partition(an: Analysis, tp: int, pad_units: bool = True) -> Partition:
+def partition(an: Analysis, tp: int) -> Partition:
     """Split every region's units over ``tp`` ranks; report regions that cannot split.
-    ``pad_units``: units that do not divide by ``tp`` are dealt unevenly, with padding
-    units filling the ranks that hold fewer (:func:`_deal_padded`)."""
+    Units that do not divide by ``tp`` are dealt unevenly, with padding units filling
+    the ranks that hold fewer (:func:`_deal_padded`, :func:`_deal_grouped`)."""
     f = _facts(an)
     table = an.atoms
     result = Partition(tp=tp, label=f.label, base=f.base)
@@ -370,12 +373,12 @@ def partition(an: Analysis, tp: int, pad_units: bool = True) -> Partition:
         if n <= 1:
             result.failures.append(RegionFailure(keys, 1, "one indivisible unit", [1], single_unit=True))
             continue
-        ranks, held, layouts = _place(an, region, f, tp, pad_units)
+        ranks, held, layouts = _place(an, region, f, tp)
         if not isinstance(layouts, dict):
             reason = layouts or f"{n} units do not split over tp={tp}"
             # what would work, the uneven deals included: every divisor and power of two
             tries = sorted(set(valid_tp_sizes(n)) | {t for t in (2, 4, 8, 16, 32, 64) if t <= n})
-            valid = [t for t in tries if t == 1 or isinstance(_place(an, region, f, t, pad_units)[2], dict)]
+            valid = [t for t in tries if t == 1 or isinstance(_place(an, region, f, t)[2], dict)]
             result.failures.append(RegionFailure(keys, n, reason, valid, uneven_units=region.uneven))
             continue
         result.layouts.update(layouts)

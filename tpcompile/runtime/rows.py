@@ -10,6 +10,7 @@ between, even a non-finite value, meets zeros forward and backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,29 @@ from torch import nn
 
 from ..plan.types import ParamPlan, Role
 
-__all__ = ["PaddingGradZero", "ReplicaGradSum", "padding_masks", "zero_padding"]
+__all__ = ["LocalRows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "zero_padding"]
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """One split parameter's local rows along its shard ``dim`` on this rank: the global
+    row each holds (``index``, ``-1`` a padding row), found once when the hooks are
+    installed, not per step."""
+
+    index: torch.Tensor
+    rows: int  # the global rows
+    dim: int
+    real: torch.Tensor | None  # positions of the real rows; ``None``: every row is real
+    pads: torch.Tensor | None  # ``True`` at the padding rows; ``None``: there are none
+
+    @classmethod
+    def of(cls, pp: ParamPlan, rank: int) -> LocalRows:
+        assert pp.shard_dim is not None
+        index = torch.as_tensor(pp.index()[rank])
+        pads = index < 0
+        padded = bool(pads.any())
+        return cls(index, pp.global_shape[pp.shard_dim], pp.shard_dim,
+                   torch.nonzero(~pads).flatten() if padded else None, pads if padded else None)
 
 
 class ReplicaGradSum(torch.autograd.Function):
@@ -25,46 +48,45 @@ class ReplicaGradSum(torch.autograd.Function):
 
     Each rank's local rows are scattered into the (small) global row space, summed over
     the TP group, and read back, so all copies of a replicated KV head get the full
-    gradient — exactly the unsharded model's.
+    gradient — exactly the unsharded model's.  Padding rows (``-1``) get a zero gradient.
     """
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, rows: int, dim: int, group: Any) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows, ctx.dim, ctx.group = rows, dim, group
+    def forward(ctx: Any, local: torch.Tensor, rows: LocalRows, group: Any) -> torch.Tensor:
+        ctx.local_rows, ctx.group = rows, group
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (index,) = ctx.saved_tensors
-        index = index.to(grad.device)
-        real = torch.nonzero(index >= 0).flatten()  # padding rows (-1) get a zero gradient
+        lr: LocalRows = ctx.local_rows
         shape = list(grad.shape)
-        shape[ctx.dim] = ctx.rows
-        full = grad.new_zeros(shape).index_add_(ctx.dim, index[real], grad.index_select(ctx.dim, real))
+        shape[lr.dim] = lr.rows
+        index = lr.index.to(grad.device)
+        if lr.real is None:
+            full = grad.new_zeros(shape).index_add_(lr.dim, index, grad)
+            torch.distributed.all_reduce(full, group=ctx.group)
+            return full.index_select(lr.dim, index), None, None
+        real = lr.real.to(grad.device)
+        full = grad.new_zeros(shape).index_add_(lr.dim, index[real], grad.index_select(lr.dim, real))
         torch.distributed.all_reduce(full, group=ctx.group)
-        out = torch.zeros_like(grad).index_copy_(ctx.dim, real, full.index_select(ctx.dim, index[real]))
-        return out, None, None, None, None
+        out = torch.zeros_like(grad).index_copy_(lr.dim, real, full.index_select(lr.dim, index[real]))
+        return out, None, None
 
 
-def padding_masks(module: nn.Module, params: dict[str, ParamPlan],
-                   rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def padding_masks(module: nn.Module, pp: ParamPlan | None,
+                  rows: LocalRows | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``True`` at each padding feature (a padding head's) of a linear's input (row-
     parallel) and of its output (column-parallel), or ``None``: ``nn.Linear``'s ``[out,
-    in]`` and ``Conv1D``'s ``[in, out]`` weights, whose activations' last dim is the
-    sharded one."""
-    pp = params.get("weight")
-    if pp is None or pp.shard_dim is None or pp.runs is None:
-        return None, None
-    pads = torch.as_tensor(pp.index()[rank] < 0)
-    if not pads.any():
+    in]`` and ``Conv1D``'s ``[in, out]`` weights (``pp``, its local ``rows``), whose
+    activations' last dim is the sharded one."""
+    if pp is None or rows is None or rows.pads is None:
         return None, None
     conv1d = type(module).__name__ == "Conv1D"
     if not isinstance(module, nn.Linear) and not conv1d:
         return None, None
     dim_in, dim_out = (0, 1) if conv1d else (1, 0)
-    return (pads if pp.role is Role.ROW and pp.shard_dim == dim_in else None,
-            pads if pp.role is Role.COLUMN and pp.shard_dim == dim_out else None)
+    return (rows.pads if pp.role is Role.ROW and pp.shard_dim == dim_in else None,
+            rows.pads if pp.role is Role.COLUMN and pp.shard_dim == dim_out else None)
 
 
 def zero_padding(t: Any, pads: torch.Tensor | None) -> Any:
@@ -76,17 +98,17 @@ def zero_padding(t: Any, pads: torch.Tensor | None) -> Any:
 
 
 class PaddingGradZero(torch.autograd.Function):
-    """Identity forward; backward zeroes the gradient of the padding rows (``index < 0``)."""
+    """Identity forward; backward zeroes the gradient of the padding rows."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.dim = dim
+    def forward(ctx: Any, local: torch.Tensor, rows: LocalRows) -> torch.Tensor:
+        ctx.local_rows = rows
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (index,) = ctx.saved_tensors
+        lr: LocalRows = ctx.local_rows
+        assert lr.pads is not None
         shape = [1] * grad.dim()
-        shape[ctx.dim] = -1
-        return grad.masked_fill((index < 0).to(grad.device).view(shape), 0), None, None
+        shape[lr.dim] = -1
+        return grad.masked_fill(lr.pads.to(grad.device).view(shape), 0), None

@@ -46,7 +46,7 @@ from ..plan.modules import (
 )
 from ..plan.types import ParamPlan, select_rows
 from . import comm
-from .rows import PaddingGradZero, ReplicaGradSum, padding_masks, zero_padding
+from .rows import LocalRows, PaddingGradZero, ReplicaGradSum, padding_masks, zero_padding
 from .stats import SplitStatMode
 
 __all__ = ["HANDLERS", "OpHooks", "TorchBackend", "handler_for"]
@@ -163,17 +163,14 @@ class TorchBackend:
         handlers = [handler_for(op)(self, op, vocab_range) for op in mplan.ops]
         for h in handlers:
             h.fqn = mplan.fqn  # named in the errors a handler raises
-        replica_index = {
-            name: (torch.as_tensor(pp.index()[self.rank]), pp.global_shape[pp.shard_dim], pp.shard_dim)
-            for name, pp in replicas.items()
-        }
+        local_rows = {name: LocalRows.of(pp, self.rank) for name, pp in replicas.items()}
         group = self.group
         state: dict[str, Any] = {}
         # a padding head's features are zeroed where a column-parallel linear makes them
         # (they are zero: this cuts their backward) and where they enter the row-parallel
         # one: whatever the head computes in between (even a non-finite value, forward or
         # backward) meets zeros
-        padding_in, padding_out = padding_masks(module, replicas, self.rank)
+        padding_in, padding_out = padding_masks(module, replicas.get("weight"), local_rows.get("weight"))
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             saved: dict[str, Any] = {}
@@ -182,12 +179,11 @@ class TorchBackend:
                 p = mod._parameters[name]
                 saved[name] = p
                 local = _local(p)
-                if name in replica_index:
-                    index, rows, dim = replica_index[name]
+                if name in local_rows:
                     if replicas[name].layout == "kv_replicated":
-                        local = ReplicaGradSum.apply(local, index, rows, dim, group)
-                    else:
-                        local = PaddingGradZero.apply(local, index, dim)
+                        local = ReplicaGradSum.apply(local, local_rows[name], group)
+                    elif local_rows[name].pads is not None:  # this rank's share has padding rows
+                        local = PaddingGradZero.apply(local, local_rows[name])
                 mod._parameters[name] = local
             for h in handlers:
                 h.swap(mod, saved)
