@@ -34,13 +34,13 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import TPError
 
-__all__ = ["OffloadHandle", "OffloadStats", "checkpoint_blocks", "offload_activations"]
+__all__ = ["CACHE_KWARGS", "OffloadHandle", "OffloadStats", "checkpoint_blocks", "offload_activations"]
 
 # Saved tensors smaller than this stay on the device: copying them costs more than it frees.
 DEFAULT_MIN_BYTES = 1 << 10
 _ORDER_LOG = 1024
 # Cache arguments a recompute would append to a second time (names differ per family).
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Our hook ids per block and kind, so the kinds can be re-nested whatever order they came in.
 _NESTING: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[list[int], list[int]]]]
 _NESTING = weakref.WeakKeyDictionary()
@@ -136,7 +136,7 @@ def checkpoint_blocks(model: nn.Module, blocks: list[str]) -> None:
 def _drop_cache_while_recording(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     if not torch.is_grad_enabled() or getattr(block, "_can_checkpoint_with_cache", False):
         return None  # nothing is saved, so nothing is recomputed: the cache is safe
-    dropped = {k: None for k in _CACHE_KWARGS if kwargs.get(k) is not None}
+    dropped = {k: None for k in CACHE_KWARGS if kwargs.get(k) is not None}
     if kwargs.get("use_cache"):
         dropped["use_cache"] = False
     if not dropped:

@@ -77,7 +77,7 @@ class ContextParallel:
         # plain positions (0, 1, ...), no padding or packed documents: causal attention
         # runs as blocks, without the [s_local, S] mask
         self.plain = False
-        self.paths: Counter[str] = Counter()  # attention calls per core ("blocks" / "mask")
+        self.paths: Counter[str] = Counter()  # eager attention calls per core ("blocks" / "mask")
         # forwards whose batch is compared over the group, in training and in eval mode each
         self.checks_left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}
 
@@ -197,6 +197,12 @@ class _ScaledSum(torch.autograd.Function):
         return grad * ctx.scale, None, None
 
 
+def _count(cp: Any, path: str) -> None:
+    # eager calls only: a compiled graph would guard on the count and recompile per block
+    if not torch.compiler.is_compiling():
+        cp.paths[path] += 1
+
+
 def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  sliding_window: int | None = None, softcap: float | None = None,
@@ -212,11 +218,11 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     p = dropout if module.training else 0.0
     if cp.plain and causal and softcap is None and s_aux is None and p == 0.0 and query.device.type == "cpu":
         # no row without keys here, so eager's and sdpa's semantics agree
-        cp.paths["blocks"] += 1
+        _count(cp, "blocks")
         blocks = block_layout(cp.rank, cp.size, cp.padded, sliding_window, query.dtype, query.device)
         key, value = key.index_select(2, cp.inverse), value.index_select(2, cp.inverse)  # global order
         return block_attention(query, key, value, blocks, scaling).transpose(1, 2).contiguous(), None
-    cp.paths["mask"] += 1
+    _count(cp, "mask")
     allowed, empty = cp.allowed(causal, sliding_window)
     if cp.implementation == "sdpa" and softcap is None and s_aux is None:
         # a row without keys is left to torch's sdpa, as transformers' sdpa path leaves it

@@ -114,7 +114,7 @@ def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, An
     if isinstance(seq, dict):
         seq = SequencePlan.from_dict(seq)
     group = backend.group
-    fused = hasattr(backend, "mark_entered") and hasattr(backend, "exit_reducers")
+    fused = hasattr(backend, "mark_entered") and hasattr(backend, "leave_with")
     mods = dict(model.named_modules())
     streams = {stack: _Stream() for stack in seq.stacks}
     wanted = {"on": True, "depth": 0}
@@ -133,7 +133,7 @@ def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, An
         st = streams[region.stack]
         for out in region.split:
             if out.row and fused:
-                backend.exit_reducers[id(mods[out.row])] = _leaver(st, group, out.dim)
+                backend.leave_with(mods[out.row], _leaver(st, group, out.dim))
         _hook_region(mods[name], region, st, backend if fused else None, group)
 
 
@@ -245,11 +245,15 @@ def _hook_region(module: nn.Module, spec: RegionPlan, st: _Stream, backend: Any,
             args, kwargs = _map_call(args, kwargs, g.path, g.dim, lambda t, d, f=g.fused: enter(t, d, f))
         return args, kwargs
 
+    # whether each split output left through its row module already: booleans, not the
+    # row's name, so that a compiled block reads the same values in every block
+    left_split = [bool(s.row) and backend is not None for s in spec.split]
+
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         if not st.on:
             return out
-        for s in spec.split:
-            if s.row and backend is not None:
+        for s, left in zip(spec.split, left_split, strict=True):
+            if left:
                 if not st.left:  # the plan proved the row output is the region's output
                     raise RuntimeError(f"sequence parallelism: {s.row} did not leave its region split")
                 continue

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TPError
 from ..plan.modules import (
@@ -78,22 +79,31 @@ class TorchBackend:
         self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
         # the LM head's last gathered logits and the local shard they came from
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
-        # id(module) -> how a row-parallel module's partial output leaves the region
-        # instead of the all-reduce when it returns ``None`` (sequence parallelism's
-        # reduce-scatter, :mod:`tpcompile.plan.sequence`)
-        self.exit_reducers: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 
     def reset(self) -> None:
         """Forget the shared input (each top-level forward starts a new autograd graph)."""
         self._last = None
         self._gathered = None
 
+    def forget_input(self) -> None:
+        """Forget the shared input only: a compiled block starts from nothing it did not
+        make, so what it reads of this object is the same at every call (no recompile)."""
+        self._last = None
+
+    @staticmethod
+    def leave_with(module: nn.Module, leave: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """How row-parallel ``module``'s partial output leaves the region instead of the
+        all-reduce, when ``leave`` returns a tensor (sequence parallelism's reduce-scatter,
+        :mod:`tpcompile.plan.sequence`). Kept on the module: a compiled block reads it as
+        an attribute, the same function on every block, not from a dict keyed by id."""
+        module._tpcompile_leave = leave
+
     def gathered(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The local vocab shard behind ``logits`` if they are the LM head's gathered output."""
         g = self._gathered
         return g[1] if g is not None and g[0] is logits else None
 
-    def copy_in(self, t: torch.Tensor) -> torch.Tensor:
+    def copy_in(self, t: torch.Tensor, parameter_view: bool | None = None) -> torch.Tensor:
         """``copy_to_tp(t)``, shared by consecutive column modules that read the same ``t``.
 
         q, k and v (or gate and up) read one normed activation: entering the TP region
@@ -101,22 +111,31 @@ class TorchBackend:
         all-reduce, instead of one all-reduce per projection (Megatron's fused "f").
         Only the last input is remembered, so nothing outlives the next column module's
         call; an in-place change of ``t`` (version bump) makes a fresh copy.
+        ``parameter_view``: whether ``t`` is a parameter seen through views, when the
+        caller knows it (a compiled block cannot walk autograd nodes; see
+        :class:`_EnterHooks`).
         """
-        if not t.is_floating_point() or _parameter_view(t):
+        if parameter_view is None:
+            parameter_view = _parameter_view(t)
+        if not t.is_floating_point() or parameter_view:
             return t
         if not torch.is_grad_enabled():
             return comm.copy_to_tp(t, self.group)
+        # traced code has no version counters: inside a compiled block the functional
+        # graph orders the reads (an in-place change between two projections' reads of
+        # one input is not seen there)
+        version = -1 if torch.compiler.is_compiling() else t._version
         last = self._last
-        if last is not None and last[0] is t and last[1] == t._version:
+        if last is not None and last[0] is t and last[1] == version:
             return last[2]
         out = comm.copy_to_tp(t, self.group)
-        self._last = (t, t._version, out)
+        self._last = (t, version, out)
         return out
 
     def mark_entered(self, t: torch.Tensor) -> None:
         """``t`` already entered the TP region (its backward sums the partial gradients,
         as :func:`~tpcompile.runtime.comm.enter_tp` does): column modules use it as it is."""
-        self._last = (t, t._version, t)
+        self._last = (t, -1 if torch.compiler.is_compiling() else t._version, t)
 
     # ---- parameters ---------------------------------------------------------------
     def local_shard(self, full: torch.Tensor, plan: ParamPlan, rank: int | None = None) -> torch.Tensor:
@@ -254,9 +273,28 @@ class _GradSumHooks(OpHooks):
 
 
 class _EnterHooks(OpHooks):
+    """Activations enter the TP region; parameters seen through views (DBRX's experts)
+    do not. Which arguments are which is found by walking autograd nodes in eager calls
+    and remembered per argument position: a compiled block (``parallelize(compile=...)``
+    runs each block's first call eagerly) reads the memo, it cannot walk the nodes."""
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self.views: dict[int, bool] = {}  # argument position (flattened) -> a parameter view?
+
     def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
-        copy_in = self.backend.copy_in
-        return _map_tensors(args, copy_in), _map_tensors(kwargs, copy_in)
+        copy_in, views, compiling = self.backend.copy_in, self.views, torch.compiler.is_compiling()
+        flat, spec = tree_flatten((args, kwargs))
+        out = []
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                if not compiling:
+                    views[i] = _parameter_view(t)
+                # no memo (a user's own torch.compile, no probe): walk the nodes all the
+                # same, a graph break rather than a guess
+                t = copy_in(t, views.get(i))
+            out.append(t)
+        return tree_unflatten(out, spec)
 
 
 class _VocabHooks(OpHooks):
@@ -306,7 +344,7 @@ class _ReduceHooks(OpHooks):
             mod._parameters[name] = comm.on_first_rank(_local(mod._parameters[name]), self.group)
 
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
-        leave = self.backend.exit_reducers.get(id(mod))
+        leave = getattr(mod, "_tpcompile_leave", None)
         split = []
 
         def reduce(t: torch.Tensor) -> torch.Tensor:
