@@ -192,6 +192,7 @@ def parallelize(
     pp_schedule: str | None = None,
     pp_microbatches: int | None = None,
     pp_virtual: int = 2,
+    compile: Any = False,
     layout: str | Layout | Mapping[str, Any] | None = None,
     hardware: Any = None,
     seq: int | None = None,
@@ -257,6 +258,15 @@ def parallelize(
         pp_microbatches: microbatches per step (``None``: ``2 x pp``); the batch size
             must divide by it.
         pp_virtual: stages per rank of the interleaved and zero-bubble schedules.
+        compile: ``torch.compile`` each block's forward (regional compilation;
+            :mod:`tpcompile.runtime.compiled`): ``True`` (inductor), a backend's name
+            (``"aot_eager"``), or a dict of ``backend`` / ``mode`` / ``dynamic`` /
+            ``options``. TP's, SP's, EP's and FP8's hooks and collectives inside a block
+            are traced into its graph (one graph per block class, no graph break);
+            checkpointing and FSDP2 stay eager around it. Each block's first call also
+            runs eagerly once; calls with a KV cache and no grad (``generate``) run
+            eagerly, with grad the cache is dropped (warned). Breaks and graphs are
+            counted in ``model.tpcompile_compiled``.
         layout: ``"auto"``: apply the fastest layout that fits this job (tp, pp and its
             schedule and microbatches, cp, ep, dp_shard, dp_replicate, sequence
             parallelism, activation checkpointing), as
@@ -307,7 +317,8 @@ def parallelize(
                  mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing,
                  activation_offloading=activation_offloading, loading_horizon=loading_horizon, seed=seed,
-                 fp8=fp8, pp=pp, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_virtual=pp_virtual)
+                 fp8=fp8, pp=pp, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_virtual=pp_virtual,
+                 compile=compile)
     defaults = {k: p.default for k, p in inspect.signature(parallelize).parameters.items()}
     explicit = {k: v for k, v in given.items() if not _is_default(v, defaults[k])}
     check_layout_request(layout, explicit=explicit, options={"hardware": hardware, "seq": seq, "batch": batch},

@@ -12,6 +12,7 @@ Each step is a small function over ``(job)``; :func:`tensor_parallel` runs steps
     4. cp           context parallelism: each sequence split over the CP group
     5. ep           keep this rank's experts, all-to-all dispatch around their forward
     6. activations  checkpoint / offload per block (inside FSDP, outside TP)
+       compile      each block's forward torch.compile'd, the hooks inside it traced
     7. fsdp         FSDP2 units: each block, then the root
        fp8 gather   FP8 weights' scales at each forward, before FSDP2's FP8 all-gathers
     8. materialise  a meta model's shards: init / rank 0's weights / an HF checkpoint
@@ -215,6 +216,23 @@ def apply_activations(job: Job) -> None:
             job.model, blocks, loading_horizon=cfg.loading_horizon)
 
 
+def apply_compile(job: Job) -> None:
+    """6b. Each block's ``forward`` compiled (runtime/compiled.py): the hooks of the
+    modules inside it (TP, SP, EP, FP8) are traced into its graph; the block's own hooks
+    (checkpoint, offload, and FSDP2's, added next) stay outside, eager."""
+    cfg = job.cfg
+    if cfg is None or cfg.compile is None:
+        return
+    from .runtime.compiled import compile_blocks  # imports dynamo: only when compile is asked for
+
+    present = {n for n, _ in job.model.named_modules()}
+    blocks = [b for b in job.plan.blocks if b in present]
+    if not blocks:
+        raise TPError(f"compile=...: tpcompile found no blocks in {type(job.model).__name__} to compile")
+    entry = getattr(job.backend, "forget_input", None)
+    job.model.tpcompile_compiled = compile_blocks(job.model, blocks, cfg.compile, entry)
+
+
 def apply_fsdp(job: Job) -> None:
     """7. FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest."""
     if job.cfg is None:
@@ -277,9 +295,9 @@ def adopt_new_modules(job: Job, found: list[str]) -> None:
         _watch(job)
         return
     if job.cfg is not None and (job.cfg.cp > 1 or job.cfg.ep > 1 or job.cfg.activation_checkpointing
-                                or job.cfg.activation_offloading):
+                                or job.cfg.activation_offloading or job.cfg.compile is not None):
         raise TPError(f"{', '.join(found[:4])} were added after tpcompile.parallelize with cp / ep / activation "
-                      "checkpointing or offloading, which wrapped the blocks already. Add adapters before "
+                      "checkpointing or offloading / compile, which wrapped the blocks already. Add adapters before "
                       "parallelize (get_peft_model(model, config) first, then parallelize the PeftModel)")
     if job.tp_mesh is not None:
         if job.replan is None:
@@ -337,7 +355,8 @@ def _bind_merge(job: Job) -> None:
 
 # The fixed order.
 TENSOR_PARALLEL_STEPS = (apply_tp, apply_loss, apply_sp, apply_fp8)
-STEPS = (apply_pp, *TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_fsdp, apply_fp8_gather,
+STEPS = (apply_pp, *TENSOR_PARALLEL_STEPS, apply_cp, apply_ep, apply_activations, apply_compile, apply_fsdp,
+         apply_fp8_gather,
          materialise, mark)
 
 

@@ -153,6 +153,9 @@ class ParallelConfig:
     # FP8 matmuls through torchao (runtime/fp8.py): True / "tensorwise" / "rowwise" / a
     # torchao Float8LinearConfig; None: off
     fp8: Any = None
+    # each block's forward torch.compile'd (runtime/compiled.py): None off, else the
+    # torch.compile keywords ({} for the defaults)
+    compile: dict[str, Any] | None = None
     checkpoint: CheckpointKind = CheckpointKind.SHARDED
     load_from_rank0: bool = False  # every rank takes rank 0's weights (other ranks may be meta)
     wrap_classes: tuple[str, ...] = ()  # if given, must be the classes of the blocks found
@@ -180,6 +183,7 @@ class ParallelConfig:
         _check_int("dp_replicate", self.dp_replicate, minimum=-1, forbid=0)
         _check_int("loading_horizon", self.loading_horizon, minimum=1)
         object.__setattr__(self, "fp8", _fp8(self.fp8))
+        object.__setattr__(self, "compile", compile_options(self.compile))
         if self.dp_shard == -1 and self.dp_replicate == -1:
             raise TPError("only one of dp_shard and dp_replicate can be -1 ('the rest of the world')")
         for name in ("cpu_offload", "activation_checkpointing", "activation_offloading", "load_from_rank0",
@@ -390,6 +394,61 @@ def _fp8(v: Any) -> Any:
     raise TPError(f"fp8 must be True, 'tensorwise', 'rowwise' or a torchao.float8.Float8LinearConfig, got {v!r}")
 
 
+# the torch.compile keywords a block's compile takes; fullgraph is ours (always False:
+# a break is counted and reported, never an error mid-step)
+COMPILE_KEYS = ("backend", "mode", "dynamic", "options")
+
+
+def compile_options(v: Any) -> dict[str, Any] | None:
+    """``compile`` as given (checked): ``None`` off, else ``torch.compile``'s keywords.
+
+    ``True`` is the defaults (inductor), a string a backend's name, a mapping the keywords
+    themselves (:data:`COMPILE_KEYS`)."""
+    if v is None or v is False:
+        return None
+    if v is True:
+        return {}
+    if isinstance(v, str) and v.strip():
+        return {"backend": v.strip()}
+    if isinstance(v, Mapping):
+        unknown = sorted(set(v) - set(COMPILE_KEYS))
+        if unknown:
+            raise TPError(f"compile: unknown torch.compile keywords {unknown}; tpcompile passes on {list(COMPILE_KEYS)} "
+                          "(each block is compiled on its own, fullgraph=False)")
+        return dict(v)
+    raise TPError(f"compile must be True, False, a torch.compile backend's name or a dict of {list(COMPILE_KEYS)}, "
+                  f"got {v!r}")
+
+
+_DYNAMO_KEYS = {"dynamo_backend": "backend", "dynamo_mode": "mode", "dynamo_use_dynamic": "dynamic"}
+
+
+def _dynamo_config(v: Any) -> dict[str, Any]:
+    """accelerate's ``dynamo_config`` section: its backend (``NO`` is off), mode and
+    dynamic flag; regional compilation is what tpcompile does anyway (each block), and
+    ``dynamo_use_fullgraph`` is refused: tpcompile compiles blocks, never the whole model."""
+    if not v:
+        return {}
+    if not isinstance(v, Mapping):
+        raise TPError(f"dynamo_config must be a mapping, got {v!r}")
+    unknown = sorted(set(v) - set(_DYNAMO_KEYS) - {"dynamo_use_fullgraph", "dynamo_use_regional_compilation"})
+    if unknown:
+        raise TPError(f"dynamo_config: unknown keys {unknown}; tpcompile reads {sorted(_DYNAMO_KEYS)} "
+                      "and dynamo_use_regional_compilation")
+    if v.get("dynamo_use_fullgraph") and _bool(v["dynamo_use_fullgraph"]):
+        raise TPError("dynamo_config: dynamo_use_fullgraph is not supported: tpcompile compiles each block "
+                      "(regional compilation), never the whole model; drop dynamo_use_fullgraph")
+    backend = str(v.get("dynamo_backend", "INDUCTOR")).strip().lower()
+    if backend == "no":
+        return {}
+    out: dict[str, Any] = {"backend": backend}
+    if v.get("dynamo_mode") not in (None, "default"):
+        out["mode"] = str(v["dynamo_mode"])
+    if "dynamo_use_dynamic" in v:
+        out["dynamic"] = _bool(v["dynamo_use_dynamic"])
+    return {"compile": out}
+
+
 def _accelerate_precision(v: Any) -> dict[str, Any]:
     """accelerate's ``mixed_precision``: ``fp8`` is tpcompile's FP8 matmuls (torchao),
     the rest a parameter dtype for FSDP2."""
@@ -453,7 +512,7 @@ ACCELERATE_KEYS: dict[str, Rule] = {
     "deepspeed_config": _empty("deepspeed_config"),
     "megatron_lm_config": _empty("megatron_lm_config"),
     "fp8_config": Sets(_fp8_config),
-    "dynamo_config": _empty("dynamo_config (torch.compile)"),
+    "dynamo_config": Sets(_dynamo_config),
     **{k: NoEffect(_LAUNCHER) for k in (
         "compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids",
         "machine_rank", "main_process_ip", "main_process_port", "main_training_function",
@@ -507,6 +566,7 @@ _KEYWORDS = tuple(f.name for f in fields(ParallelConfig) if f.name not in ("sour
 _NORMALIZE: dict[str, Callable[[Any], Any]] = {
     "sharding_strategy": Sharding.parse, "mixed_precision": mixed_precision_policy,
     "checkpoint": CheckpointKind, "wrap_classes": tuple, "fp8": _fp8,
+    "compile": compile_options,
 }
 NATIVE_KEYS: dict[str, Rule] = {name: _to(name, _NORMALIZE.get(name, lambda v: v)) for name in _KEYWORDS}
 
