@@ -9,6 +9,14 @@ drift of the machine hits them all alike.  Competitors:
 * ``tpcompile lp`` — the same with ``loss_parallel=True``;
 * ``hf native tp`` — ``from_pretrained(dir, distributed_config=DistributedConfig(tp_size=2))``;
 * ``dtensor plan`` — a hand-written torchtitan-style ``parallelize_module`` plan;
+* ``tpcompile parallelize`` — ``tpcompile.parallelize(model, tp=2)`` (TP + FSDP2 over the
+  one data-parallel rank), the eager twin of:
+* ``tpcompile compiled`` — ``tpcompile.parallelize(model, tp=2, compile=True)``: every
+  block's forward compiled by inductor, TP's hooks and collectives inside the graph;
+* ``tpcompile layers compiled`` — ``tpcompile.transform`` and then the user's own
+  ``layer.compile()`` on every decoder layer, as for:
+* ``hf native compiled`` — HF native TP with every decoder layer ``.compile()``d, the
+  regional compilation transformers documents;
 * ``tpcompile tp=1`` and ``hf tp=1`` — one process (rank 0) while rank 1 waits in a
   barrier; they give the scaling efficiency ``t1 / (2 · t2)`` and the hook overhead.
 
@@ -37,7 +45,10 @@ from torch import nn
 WORLD = 2
 LOSS_ATOL = 1e-4
 BASELINE = "tpcompile"
-TP2 = ("tpcompile", "tpcompile lp", "hf native tp", "dtensor plan")
+TP2 = ("tpcompile", "tpcompile lp", "hf native tp", "dtensor plan", "tpcompile parallelize", "tpcompile compiled",
+       "tpcompile layers compiled", "hf native compiled")
+COMPILED = {"tpcompile compiled": "tpcompile parallelize", "tpcompile layers compiled": "tpcompile",
+            "hf native compiled": "hf native tp"}  # -> its eager twin
 TP1 = ("tpcompile tp=1", "hf tp=1")  # run on rank 0 only
 REFERENCE = "hf tp=1"  # the untransformed model: the loss every competitor must match
 
@@ -106,6 +117,18 @@ def _hf_native(model_dir: str) -> nn.Module:
     return _load(model_dir, distributed_config=DistributedConfig(tp_size=WORLD))
 
 
+def _tpcompile_parallelize(model_dir: str, **kwargs: Any) -> nn.Module:
+    import tpcompile
+
+    return tpcompile.parallelize(_load(model_dir), tp=WORLD, **kwargs)
+
+
+def _compile_layers(model: nn.Module) -> nn.Module:
+    for layer in model.model.layers:  # regional compilation, as transformers documents it
+        layer.compile()
+    return model
+
+
 def _dtensor_plan(model_dir: str) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -139,6 +162,10 @@ BUILDERS: dict[str, Callable[[str], nn.Module]] = {
     "tpcompile lp": lambda d: _tpcompile(d, loss_parallel=True),
     "hf native tp": _hf_native,
     "dtensor plan": _dtensor_plan,
+    "tpcompile parallelize": _tpcompile_parallelize,
+    "tpcompile compiled": lambda d: _tpcompile_parallelize(d, compile=True),
+    "tpcompile layers compiled": lambda d: _compile_layers(_tpcompile(d)),
+    "hf native compiled": lambda d: _compile_layers(_hf_native(d)),
     "tpcompile tp=1": _tpcompile_tp1,
     "hf tp=1": _load,
 }
@@ -262,11 +289,17 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
         models[name].train()
     opts = {n: torch.optim.AdamW(models[n].parameters(), lr=1e-5) for n in mine}
 
-    # Equal work: every competitor's step-0 loss against the untransformed model.
+    # Equal work: every competitor's step-0 loss against the untransformed model (a
+    # compiled competitor's includes its compilation: timed apart, as its first step)
     losses: dict[str, float] = {}
+    first_step: dict[str, float] = {}
     for name in active:
         if name in mine:
+            t0 = time.perf_counter()
             losses[name] = float(models[name](input_ids=ids, labels=ids).loss.item())
+            if name in COMPILED:
+                _step(models[name], opts[name], ids)  # the backward graph compiles here
+                first_step[name] = time.perf_counter() - t0
         dist.barrier()
 
     # Timed rounds, order rotated per round; barriers fence each step so the time is
@@ -302,8 +335,10 @@ def _bench(rank: int, spec: Spec, model_dir: str) -> dict[str, Any]:
                 loss.backward()
         opts[name].zero_grad(set_to_none=True)
         comms[name] = {"fwd": _count_collectives(p_fwd), "bwd": _count_collectives(p_bwd)}
+    state = getattr(models.get("tpcompile compiled"), "tpcompile_compiled", None)
     return {"samples": samples, "losses": losses, "errors": errors, "comms": comms,
-            "idle_cpu_s": idle_cpu, "idle_wall_s": idle_wall, "checks": checks}
+            "idle_cpu_s": idle_cpu, "idle_wall_s": idle_wall, "checks": checks, "first_step": first_step,
+            "breaks": None if state is None else state.graph_breaks}
 
 
 # ------------------------------------------------------------------------------ section
@@ -404,6 +439,15 @@ def run(quick: bool) -> dict[str, Any]:
         notes.append("scaling efficiency vs tpcompile tp=1 — wall t1/(2·t2), CPU c1/c2: " + ", ".join(
             f"{n} {t1 / (WORLD * _med(wall[n])):.2f} / {c1 / _med([s['cpu'] for s in cpu[n]]):.2f}"
             for n in TP2 if wall.get(n)))
+    for name, eager in COMPILED.items():
+        if wall.get(name) and wall.get(eager):
+            notes.append(f"{name}: {_med(wall[eager]) / _med(wall[name]):.2f}× faster than {eager} (eager); "
+                         f"first step with compilation {res['first_step'].get(name, float('nan')):.1f} s")
+    for name in ("tpcompile compiled", "tpcompile layers compiled"):
+        if wall.get(name) and wall.get("hf native compiled"):
+            notes.append(f"{name} vs hf native compiled: {_med(wall['hf native compiled']) / _med(wall[name]):.2f}×")
+    if res["breaks"] is not None:
+        notes.append(f"graph breaks in tpcompile compiled's blocks (all steps): {res['breaks']}")
     for name, total in res["checks"].items():  # the input checks' share of the step (target <= 1%)
         steps = len(samples[name])
         per_step = total["s"] / steps
