@@ -21,12 +21,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .errors import TPError
+
+if TYPE_CHECKING:  # FSDP2 (with DTensor, sympy) is imported when a policy is made: planning needs neither
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
     "ACCELERATE_KEYS", "SMP_KEYS", "CheckpointKind", "NoEffect", "Only", "ParallelConfig", "Sets",
@@ -95,6 +97,8 @@ _FULL_PRECISION = ("no", "fp32", "float32", "none")
 def mixed_precision_policy(value: Any) -> MixedPrecisionPolicy | None:
     """``None``/``"no"``/fp32 → none; ``"bf16"``/``"fp16"`` or a dtype → that param dtype with
     fp32 gradient reduction; a ``MixedPrecisionPolicy`` as is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if value is None or isinstance(value, MixedPrecisionPolicy):
         return value
     if isinstance(value, str):

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Capture", "LayerStacks", "capture", "data_dependent", "every_position_nonzero", "layer_stacks",
+__all__ = ["Capture", "LayerStacks", "capture", "cut_to_traced", "data_dependent", "every_position_nonzero", "layer_stacks",
            "quiet_traces", "structural_signature"]
 
 # Example sizes that cannot be mistaken for model sizes in the traced graph's shape
@@ -178,6 +178,17 @@ def _layer_stacks(stacks: dict[str, tuple[nn.ModuleList, list[int]]]) -> LayerSt
         members={fqn: reps for fqn, (_, reps) in stacks.items()},
         traced_len={fqn: max(reps) + 1 for fqn, (_, reps) in stacks.items()},
     )
+
+
+@contextlib.contextmanager
+def cut_to_traced(model: nn.Module, stacks: LayerStacks) -> Iterator[None]:
+    """``model`` cut, for the duration, to the prefix of each stack a capture with these
+    ``stacks`` traced (nothing cut when ``stacks`` is empty): a copy made inside holds
+    only the traced blocks (the self-check's localized shadow of a 126-layer model copies
+    one block, not 126)."""
+    mods = dict(model.named_modules())
+    with _truncated(model, {fqn: (mods[fqn], reps) for fqn, reps in stacks.members.items()}):
+        yield
 
 
 def layer_stacks(model: nn.Module) -> LayerStacks:

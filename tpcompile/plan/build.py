@@ -36,6 +36,7 @@ from ..analysis.selfcheck import (
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture
+from ..capture.export import cut_to_traced
 from ..capture.fake import call_inputs, shape_trace
 from ..config import check_degree
 from ..errors import TPError
@@ -279,8 +280,9 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
         return capture(shadow, example_kwargs=inputs).graph
 
     def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
-        return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
-                           representative=cap.stacks.representative, gathered=gathered)
+        with cut_to_traced(model, cap.stacks):  # the shadow copies the traced blocks only
+            return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
+                               representative=cap.stacks.representative, gathered=gathered)
 
     def shaping(amb: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
         """Only the attributes the forward turns into a shape (each costs a trace, so this
