@@ -97,6 +97,32 @@ def _run(rank: int, world: int, family: str, attn: str, layout: dict, compile_: 
     return out
 
 
+def _run_transformed(rank: int, world: int, attn: str, compile_: object) -> dict:
+    """``transform(tp=2)`` and then the user's own ``layer.compile()`` on every decoder
+    layer (no probe, hooks keyed as registered): the model must train as uncompiled."""
+    torch._dynamo.reset()
+    model = tpcompile.transform(_build("llama", attn), tp=2)
+    if compile_:
+        for layer in model.model.layers:
+            layer.compile(backend=compile_)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for ids in _batches():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if grads is None:
+            grads = hf_grads(model, 2)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    ids = _batches()[0][:2, :6]
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    return {"losses": losses, "grads": grads, "logits": logits, "tokens": tokens}
+
+
 def _refusals(rank: int, world: int) -> dict:
     return {
         "bad_key": refusal(lambda: tpcompile.parallelize(_build("llama", "eager"), tp=2,
@@ -110,6 +136,8 @@ CASES = {f"{attn}-{name}-{mode}": (_run, "llama", attn, layout, c)
          for attn in ("eager", "sdpa") for name, layout in LAYOUTS.items() for mode, c in _MODES.items()}
 CASES.update({f"{name}-{mode}": (_run, family, "sdpa", layout, c)
               for name, (family, layout) in COMPOSED.items() for mode, c in _MODES.items()})
+CASES.update({f"transformed-{attn}-{mode}": (_run_transformed, attn, c)
+              for attn in ("eager", "sdpa") for mode, c in _MODES.items()})
 CASES["refusals"] = (_refusals,)
 
 
@@ -151,6 +179,20 @@ def test_compiled_composes(world2, name: str) -> None:
         _check(compiled, eager, whole=name != "ep2")
         if name == "ep2":
             assert compiled["trained"][0] > 0
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_transformed_model_under_the_users_own_compile(world2, attn: str) -> None:
+    """A ``transform``ed model whose layers the user compiles trains, evaluates and
+    generates as uncompiled (breaks and recompiles are allowed there; ``parallelize(compile=...)``
+    is the path held to one graph)."""
+    for compiled, eager in zip(world2[f"transformed-{attn}-compiled"], world2[f"transformed-{attn}-eager"],
+                               strict=True):
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+        for name, g in eager["grads"].items():
+            torch.testing.assert_close(compiled["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(compiled["logits"], eager["logits"], rtol=1e-4, atol=1e-5)
+        assert torch.equal(compiled["tokens"], eager["tokens"])
 
 
 def test_refusals(world2) -> None:
