@@ -35,7 +35,7 @@ from ..analysis.selfcheck import (
 )
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
-from ..capture import Capture, capture
+from ..capture import Capture, capture, layer_stacks
 from ..capture.export import cut_to_traced
 from ..capture.fake import call_inputs, shape_trace
 from ..config import check_degree
@@ -426,7 +426,11 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         if fixups and rep in fixups:
             mod_plan(mname).attr_fixups = dict(fixups[rep])
     plan.modules = dict(sorted(modules.items()))
-    plan.blocks = [f"{stack}.{i}" for stack, reps in cap.stacks.members.items() for i in range(len(reps))]
+    # the blocks are the model's structure, whether or not the capture cut its stacks (it
+    # traces them whole where a split value crosses a block): checkpointing, FSDP2's
+    # units, compile and the pipeline's cuts need them all the same
+    stacks = cap.stacks if cap.stacks.members else layer_stacks(model)
+    plan.blocks = [f"{stack}.{i}" for stack, reps in stacks.members.items() for i in range(len(reps))]
     return plan
 
 
