@@ -83,3 +83,26 @@ def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, 
         fully_shard(model.get_submodule(fqn), **kwargs)
     for root in roots if roots is not None else [model]:
         fully_shard(root, **kwargs)
+        _generate_through_root(root)
+
+
+def _generate_through_root(root: nn.Module) -> None:
+    """A ``PeftModel``'s ``generate`` calls the model it wraps directly, past its own
+    ``forward`` and so past FSDP2's root hooks: the blocks gather their own parameters,
+    but the root's (embeddings, final norm, head) would stay sharded DTensors.  Its
+    ``generate`` gathers them first (the root initialised as at a first forward, so a
+    ``generate`` before any forward leaves the blocks units of this root) and frees them
+    after."""
+    if not hasattr(type(root), "get_base_model") or not hasattr(root, "generate"):
+        return
+    generate = root.generate
+
+    def gathered_generate(*args: Any, **kwargs: Any) -> Any:
+        root._get_fsdp_state()._lazy_init()  # FSDP2's root-finding, which a forward would run
+        root.unshard()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            root.reshard()
+
+    root.generate = gathered_generate
