@@ -35,6 +35,8 @@ COMPOSED = {
     "cp2": ("llama", {"cp": 2}),
     "ep2": ("mixtral", {"ep": 2}),
     "pp2": ("llama", {"pp": 2, "pp_schedule": "1f1b"}),
+    "lora_tp2": ("llama", {"tp": 2, "lora": True}),
+    "lora_dp2": ("llama", {"tp": 1, "lora": True}),
 }
 
 
@@ -56,9 +58,20 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (4, 10), generator=g) for _ in range(STEPS)]
 
 
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+
+
 def _run(rank: int, world: int, family: str, attn: str, layout: dict, compile_: object) -> dict:
     torch._dynamo.reset()  # each case compiles its own graphs (and counts them)
-    model = tpcompile.parallelize(_build(family, attn), seed=0, compile=compile_, **layout)
+    layout = dict(layout)
+    model = _build(family, attn)
+    if layout.pop("lora", False):
+        model = _lora(model)
+    model = tpcompile.parallelize(model, seed=0, compile=compile_, **layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tp, pipelined = layout.get("tp", 1), layout.get("pp", 1) > 1
     losses, grads = [], None
@@ -72,7 +85,7 @@ def _run(rank: int, world: int, family: str, attn: str, layout: dict, compile_: 
                 loss = tpcompile.pipeline_step(model, {"input_ids": ids, "labels": ids})
             else:
                 local = ids.chunk(dp)[dp_rank]
-                loss = model(local, labels=local).loss
+                loss = model(input_ids=local, labels=local).loss
                 loss.backward()
             if grads is None:
                 grads = hf_grads(model, tp)
@@ -89,11 +102,15 @@ def _run(rank: int, world: int, family: str, attn: str, layout: dict, compile_: 
     model.eval()
     ids = _batches()[0][:2, :6]
     with torch.no_grad():
-        out["logits"] = model(ids, use_cache=False).logits
+        out["logits"] = model(input_ids=ids, use_cache=False).logits
+        if state is not None:
+            out.update(breaks=state.graph_breaks, graphs=state.graphs)
         if layout.get("cp", 1) == 1:  # context parallelism refuses a KV cache (generate)
-            out["tokens"] = model.generate(ids, max_new_tokens=4, do_sample=False)
+            out["tokens"] = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+            # (new lengths without a cache: more graphs, e.g. a split sequence that pads)
+            out["greedy"] = _greedy(model, ids, 4)
     if state is not None:
-        out.update(breaks=state.graph_breaks, graphs=state.graphs, eager_calls=state.eager_calls)
+        out["eager_calls"] = state.eager_calls
     return out
 
 
@@ -121,6 +138,14 @@ def _run_transformed(rank: int, world: int, attn: str, compile_: object) -> dict
         logits = model(ids, use_cache=False).logits
         tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
     return {"losses": losses, "grads": grads, "logits": logits, "tokens": tokens}
+
+
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding by whole forwards through the model's own call (no cache, no
+    ``generate``): what ``generate`` must reproduce."""
+    for _ in range(steps):
+        ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
 
 
 def _refusals(rank: int, world: int) -> dict:
@@ -161,6 +186,7 @@ def _check(compiled: dict, eager: dict, whole: bool = True) -> None:
     if "tokens" in eager:
         assert compiled["eager_calls"] > 0  # generate's cached steps ran eagerly
         assert torch.equal(compiled["tokens"], eager["tokens"])
+        assert torch.equal(eager["tokens"], eager["greedy"])
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -172,13 +198,16 @@ def test_compiled_equals_eager(world2, attn: str, layout: str) -> None:
 
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_compiled_composes(world2, name: str) -> None:
-    """FP8, context, expert and pipeline parallelism with compiled blocks. An expert-parallel
+    """FP8, context, expert and pipeline parallelism and LoRA adapters (PEFT, added before
+    parallelize) with compiled blocks. An expert-parallel
     block compiles in pieces: its dispatch is data-dependent (token counts per expert,
     all-to-all split sizes read on the host) and the experts' own FSDP2 hooks run eagerly."""
     for compiled, eager in zip(world2[f"{name}-compiled"], world2[f"{name}-eager"], strict=True):
-        _check(compiled, eager, whole=name != "ep2")
+        _check(compiled, eager, whole=not name.startswith(("ep2", "lora")))
         if name == "ep2":
             assert compiled["trained"][0] > 0
+        if name.startswith("lora"):  # frozen embeddings: the first block's input has no grad, a second graph
+            assert compiled["trained"] == (0, 2)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
