@@ -35,6 +35,8 @@ COMPOSED = {
     "cp2": ("llama", {"cp": 2}),
     "ep2": ("mixtral", {"ep": 2}),
     "pp2": ("llama", {"pp": 2, "pp_schedule": "1f1b"}),
+    "bf16_dp2": ("llama", {"tp": 1, "mixed_precision": "bf16"}),
+    "offload_tp2": ("llama", {"tp": 2, "activation_offloading": True}),
     "lora_tp2": ("llama", {"tp": 2, "lora": True}),
     "lora_dp2": ("llama", {"tp": 1, "lora": True}),
 }
@@ -198,8 +200,8 @@ def test_compiled_equals_eager(world2, attn: str, layout: str) -> None:
 
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_compiled_composes(world2, name: str) -> None:
-    """FP8, context, expert and pipeline parallelism and LoRA adapters (PEFT, added before
-    parallelize) with compiled blocks. An expert-parallel
+    """FP8, context, expert and pipeline parallelism, FSDP2's mixed precision, activation
+    offloading and LoRA adapters (PEFT, added before parallelize) with compiled blocks. An expert-parallel
     block compiles in pieces: its dispatch is data-dependent (token counts per expert,
     all-to-all split sizes read on the host) and the experts' own FSDP2 hooks run eagerly."""
     for compiled, eager in zip(world2[f"{name}-compiled"], world2[f"{name}-eager"], strict=True):
