@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TPError
-from ..runtime.adapters import when_imported
+from ..runtime.adapters import is_peft_model, when_imported
 from ..runtime.shards import lookup, world
 
 __all__ = ["bind_save_pretrained", "route_peft_saves"]
@@ -63,15 +63,10 @@ _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetenso
 
 def bind_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(...)`` write through tpcompile (instance attribute)."""
-    if _is_peft_model(model):
+    if is_peft_model(model):  # its save_pretrained writes adapters picked from a state dict
         model.save_pretrained = types.MethodType(_save_adapters, model)
     elif hasattr(type(model), "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    """A PEFT wrapper: its ``save_pretrained`` writes adapters picked from a state dict."""
-    return isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model")
 
 
 def route_peft_saves() -> None:

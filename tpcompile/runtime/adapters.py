@@ -47,7 +47,7 @@ from ..plan.types import Plan
 from .apply import apply_plan
 from .guard import held, settle
 
-__all__ = ["adopt_plan", "global_twin", "size_adapters_globally", "when_imported"]
+__all__ = ["adopt_plan", "global_twin", "is_peft_model", "size_adapters_globally", "when_imported"]
 
 _PLANNED = "_tpcompile_planned"
 
@@ -113,6 +113,11 @@ def _patch_sizing(utils: Any) -> None:
     for name, mod in list(sys.modules.items()):
         if (name == "peft" or name.startswith("peft.")) and getattr(mod, "_get_in_out_features", None) is original:
             mod._get_in_out_features = patched
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT wrapper (``PeftModel``): adapters' config by name, the model it wraps behind."""
+    return isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model")
 
 
 _PENDING: dict[str, list[Callable[[Any], None]]] = {}

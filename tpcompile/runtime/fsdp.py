@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from ..config import ParallelConfig
+from .adapters import is_peft_model
 from .mesh import ParallelDims
 
 __all__ = ["fully_shard_model", "shard_added_modules"]
@@ -93,7 +94,7 @@ def _generate_through_root(root: nn.Module) -> None:
     ``generate`` gathers them first (the root initialised as at a first forward, so a
     ``generate`` before any forward leaves the blocks units of this root) and frees them
     after."""
-    if not hasattr(type(root), "get_base_model") or not hasattr(root, "generate"):
+    if not is_peft_model(root) or not hasattr(root, "generate"):
         return
     generate = root.generate
 
