@@ -142,8 +142,8 @@ def repeat_interleave(an: Analysis, node: torch.fx.Node) -> object:
         return None
     atoms = an.aligned_to(v.atoms, an.ndim(src))
     dim %= atoms.ndim
-    if atoms.shape[dim] == 1:
-        return Feat(atoms)
+    if atoms.shape[dim] == 1 and (an.shape(src)[dim] != 1 or atoms.size == 1):
+        return Feat(atoms)  # positions without features repeated: nothing to copy
     copies = np.stack(an.replicate(atoms, repeats), axis=dim + 1)
     shape = list(atoms.shape)
     shape[dim] *= repeats

@@ -30,7 +30,8 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2", "jamba",
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
+             "mamba2_one_group", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven"}
@@ -96,9 +97,12 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256, pad_token_id=0,
             attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
             ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), **kw)
-    if name == "mamba2":  # SSD mixer written with einsums over chunks and heads
+    if name in ("mamba2", "mamba2_one_group"):  # SSD mixer written with einsums over chunks and heads
+        # one group (the usual checkpoint): B / C shared by every head, held by every rank
+        # (gradients summed), and the gated norm over all heads a statistic over split features
         return hf.Mamba2ForCausalLM, hf.Mamba2Config(
-            hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=4, num_hidden_layers=2,
+            hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=4 if name == "mamba2" else 1,
+            num_hidden_layers=2,
             vocab_size=256, expand=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
     if name == "jamba":  # Mamba layers whose B / C / dt are normalised (params on a re-entered sum)

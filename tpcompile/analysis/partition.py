@@ -94,6 +94,16 @@ class Partition:
     rank_of_atom: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     label: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     base: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # atom -> param atom
+    # the ranks holding each class several ranks hold (a follower's copies): class -> ranks
+    shared_by: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def holds(self, r: int, atoms: np.ndarray) -> np.ndarray:
+        """Does rank ``r`` hold each of ``atoms`` (``-1``: no)?"""
+        ranks = np.where(atoms < 0, -1, self.rank_of_atom[np.clip(atoms, 0, None)])
+        out = ranks == r
+        for i in np.nonzero(ranks == -2)[0] if ranks.ndim == 1 else ():
+            out[i] = r in self.shared_by.get(int(self.label[atoms[i]]), ())
+        return out
 
 
 @dataclass
@@ -388,6 +398,8 @@ def partition(an: Analysis, tp: int) -> Partition:
         on = held[:, region.followers]
         count = on.sum(axis=0)
         class_rank[region.followers] = np.where(count == 1, on.argmax(axis=0), np.where(count > 1, -2, -1))
+        for c in region.followers[count > 1].tolist():
+            result.shared_by[c] = tuple(np.nonzero(held[:, c])[0].tolist())
         hit = class_rank[f.label] != -1
         rank_of_atom[hit] = class_rank[f.label[hit]]
     result.rank_of_atom = rank_of_atom

@@ -132,10 +132,16 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
         shared = [d for d in split_dims if shape[d] == 1] or ([-1] if multi else [])
         if isinstance(ev.operand, ParamRef):
             ref = ev.operand
+            if ref.is_buffer and sliced:
+                # a buffer is never sliced per rank (Falcon-H1's ``mup_vector`` scaling
+                # in_proj's output): its region stays whole, as a whole activation's would
+                force |= _region_blocks(part, an, ev.atoms.reshape(-1))
+                a.notes.append(f"buffer {ref.fqn} would need slicing; kept the region replicated")
+                continue
             offset = nd - len(ref.dims)
             for d in sliced:
                 pd = ref.dims[d - offset] if d - offset >= 0 else None
-                lay = _slice_layout(ref.fqn, pd, ranks, d, part.tp)
+                lay = _slice_layout(ref.fqn, pd, part, ev.atoms, ranks, d)
                 prev = a.layouts.get(ref.fqn) if lay is not None else None
                 if lay is None or (prev is not None and (prev.dim != lay.dim
                                                          or not np.array_equal(prev.index, lay.index))):
@@ -257,11 +263,19 @@ def _uniform_along(an: Analysis, node: fx.Node, dims: list[int], nd: int) -> boo
     return all(flags[d] for d in dims)
 
 
-def _slice_layout(fqn: str, pd: int | None, ranks: np.ndarray, d: int, tp: int) -> BlockLayout | None:
+def _slice_layout(fqn: str, pd: int | None, part: Partition, atoms: np.ndarray, ranks: np.ndarray,
+                  d: int) -> BlockLayout | None:
+    """The rows of a parameter met elementwise by split features along ``d``: each
+    rank's own, and the copies of a follower several ranks hold (Mamba-2's depthwise conv
+    over the B/C channels of its one group, which every rank's heads read)."""
     if pd is None:
         return None
     line = along(ranks, d)
-    index = [np.nonzero(line == r)[0] for r in range(tp)]
+    if (line == -2).any():
+        feats = along(np.broadcast_to(atoms, ranks.shape), d)
+        index = [np.nonzero(part.holds(r, feats))[0] for r in range(part.tp)]
+    else:
+        index = [np.nonzero(line == r)[0] for r in range(part.tp)]
     if len({len(i) for i in index}) != 1:
         return None
     return BlockLayout(fqn, pd, int(line.size), np.stack(index))

@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import apply_fixups, localize_embedding
 from ..plan.modules import ModulePlan, VocabEmbedding
-from ..plan.types import Plan
+from ..plan.types import ParamPlan, Plan
+from .rows import LocalRows, shared_rows
 from .state_dict import install_state_dict_hooks
 
 __all__ = ["apply_plan", "install_root_hooks"]
@@ -68,7 +69,8 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
                     and by_alias[f"{mname}.{n}"].layout in ("kv_replicated", "padded")}
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, paths in scoped.items():
-        _install_scoped_swap(mods[mname], paths)
+        prefix = f"{mname}." if mname else ""
+        _install_scoped_swap(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
@@ -88,18 +90,24 @@ def install_root_hooks(model: nn.Module, backend: Any) -> None:
         model.register_forward_hook(lambda *_: backend.reset())
 
 
-def _install_scoped_swap(module: nn.Module, paths: list[str]) -> None:
+def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
     """For ``module``'s whole forward, its descendants' parameters at ``paths`` are their
-    local tensors (the code reads them directly, outside the owner's forward)."""
+    local tensors (the code reads them directly, outside the owner's forward): with the
+    gradients of rows several ranks hold summed, and of padding rows zeroed, as in an
+    owner's own forward (Mamba-2 reads its depthwise conv's weight whose B/C channels,
+    one group for all heads, every rank holds)."""
     saved: list[tuple[nn.Module, str, Any]] = []
+    rows = {path: LocalRows.of(pp, backend.rank) for path, pp in paths.items()
+            if pp.layout in ("kv_replicated", "padded")}
 
     def pre(mod: nn.Module, args: tuple) -> None:
-        for path in paths:
+        for path, pp in paths.items():
             owner, _, leaf = path.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
             p = sub._parameters[leaf]
             saved.append((sub, leaf, p))
-            sub._parameters[leaf] = p.to_local() if isinstance(p, DTensor) else p
+            local = p.to_local() if isinstance(p, DTensor) else p
+            sub._parameters[leaf] = shared_rows(local, pp, rows.get(path), backend.group)
 
     def post(mod: nn.Module, args: tuple, out: Any) -> None:
         while saved:  # always_call: restored even when the forward raised

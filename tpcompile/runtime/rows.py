@@ -18,7 +18,7 @@ from torch import nn
 
 from ..plan.types import ParamPlan, Role
 
-__all__ = ["LocalRows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "zero_padding"]
+__all__ = ["LocalRows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "shared_rows", "zero_padding"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,15 @@ class PaddingGradZero(torch.autograd.Function):
         shape = [1] * grad.dim()
         shape[lr.dim] = -1
         return grad.masked_fill(lr.pads.to(grad.device).view(shape), 0), None
+
+
+def shared_rows(local: torch.Tensor, pp: ParamPlan, rows: LocalRows | None, group: Any) -> torch.Tensor:
+    """``local`` as the module uses it: copies' gradients summed (``kv_replicated``) or
+    padding rows' zeroed, else as is.  ``rows``: ``LocalRows.of(pp, rank)``, found once."""
+    if rows is None:
+        return local
+    if pp.layout == "kv_replicated":
+        return ReplicaGradSum.apply(local, rows, group)
+    if rows.pads is not None:  # this rank's share has padding rows
+        return PaddingGradZero.apply(local, rows)
+    return local

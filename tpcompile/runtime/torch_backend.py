@@ -47,7 +47,7 @@ from ..plan.modules import (
 )
 from ..plan.types import ParamPlan, select_rows
 from . import comm
-from .rows import LocalRows, PaddingGradZero, ReplicaGradSum, padding_masks, zero_padding
+from .rows import LocalRows, padding_masks, shared_rows, zero_padding
 from .stats import SplitStatMode
 
 __all__ = ["HANDLERS", "OpHooks", "TorchBackend", "handler_for"]
@@ -199,10 +199,7 @@ class TorchBackend:
                 saved[name] = p
                 local = _local(p)
                 if name in local_rows:
-                    if replicas[name].layout == "kv_replicated":
-                        local = ReplicaGradSum.apply(local, local_rows[name], group)
-                    elif local_rows[name].pads is not None:  # this rank's share has padding rows
-                        local = PaddingGradZero.apply(local, local_rows[name])
+                    local = shared_rows(local, replicas[name], local_rows[name], group)
                 mod._parameters[name] = local
             for h in handlers:
                 h.swap(mod, saved)

@@ -163,9 +163,17 @@ def _capture_tokens(cap: Capture) -> int:
 
 
 def _replicas(plan: Plan, fqn: str) -> list[str]:
-    """Module-local names of ``fqn``'s KV-replicated parameters (as apply_plan passes them)."""
-    return [p.fqn.rpartition(".")[2] for p in plan.params.values()
-            if p.module == fqn and p.layout == "kv_replicated"]
+    """Module-local names of the KV-replicated parameters ``fqn``'s forward swaps in (as
+    apply_plan passes them): its own, and its descendants' its code reads directly."""
+    out = []
+    for p in plan.params.values():
+        if p.layout != "kv_replicated":
+            continue
+        if p.scope is None and p.module == fqn:
+            out.append(p.fqn.rpartition(".")[2])
+        elif p.scope is not None and p.scope == fqn:
+            out.append(p.fqn[len(fqn) + 1:] if fqn else p.fqn)
+    return out
 
 
 def _head_param(plan: Plan, fqn: str | None = None) -> ParamPlan | None:
