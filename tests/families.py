@@ -31,7 +31,7 @@ __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
-             "mamba2_one_group", "jamba",
+             "mamba2_one_group", "falcon_h1", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven"}
@@ -105,6 +105,13 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             num_hidden_layers=2,
             vocab_size=256, expand=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
+    if name == "falcon_h1":  # Mamba-2 mixer of one group scaled by a buffer (mup_vector) narrowed per rank
+        from tpcompile.tools import shrink_config
+
+        cfg = shrink_config(hf.FalconH1Config(), 2)
+        if attn is not None:
+            cfg._attn_implementation = attn
+        return hf.FalconH1ForCausalLM, cfg
     if name == "jamba":  # Mamba layers whose B / C / dt are normalised (params on a re-entered sum)
         from tpcompile.tools import shrink_config
 

@@ -27,7 +27,7 @@ import tpcompile
 from tpcompile.capture import example_inputs
 from tpcompile.errors import TPError
 from tpcompile.plan import Plan
-from tpcompile.plan.modules import SliceInputs, SplitStats
+from tpcompile.plan.modules import SliceBuffers, SliceInputs, SplitStats
 
 TOL = 1e-5
 STEP_TOL = 1e-4  # relative, as the FSDP2 training comparisons
@@ -42,7 +42,7 @@ CASES_TP2 = [
     ("clip", "sdpa"), ("clip", "eager"),
     ("qwen3_next", "sdpa"), ("qwen3_next", "eager"),
     ("dbrx", "sdpa"), ("dbrx", "eager"),
-    ("mamba2", None), ("mamba2_one_group", None),
+    ("mamba2", None), ("mamba2_one_group", None), ("falcon_h1", "sdpa"),
     ("jamba", "sdpa"),
     # statistics over split features: q_norm / k_norm over all heads, BitNet's sub-norms
     ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"),
@@ -140,7 +140,7 @@ def _all(rank: int, world: int, cases: list, tmp: str) -> dict:
 
 # the classes that broke, at tp=4 where their sizes allow (heads, vocab and MLP divide)
 CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2", None), ("mamba2_one_group", None),
-             ("mamba", None),
+             ("falcon_h1", "eager"), ("mamba", None),
              ("olmo2", "sdpa"), ("olmo2", "eager"), ("olmo3", "sdpa"), ("olmo3", "eager"), ("bitnet", "sdpa"),
              ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
              ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None),
@@ -323,6 +323,26 @@ def test_mamba2_mixer_splits_by_heads() -> None:
     with torch.device("meta"):
         real = hf.Mamba2ForCausalLM(cfg)
     assert tpcompile.plan_model(real, tp=4).over_ideal() <= 1.05  # 2.15x with the mixers kept whole
+
+
+def test_a_buffer_applied_to_split_features_is_narrowed_per_rank() -> None:
+    """Falcon-H1 scales its Mamba-2 mixer's split in_proj output by a non-persistent buffer
+    (``mup_vector``, one multiplier per projected feature): the mixer's forward narrows it
+    to the rank's rows (``SliceBuffers``) instead of keeping the mixer whole; the module
+    keeps the whole buffer."""
+    model = build("falcon_h1", "sdpa", meta=True)
+    mixer = "model.layers.0.mamba"
+    for tp in (2, 4):
+        plan = tpcompile.plan_model(model, tp=tp)
+        op = plan.modules[mixer].op(SliceBuffers)
+        (path, dim, size, runs), = op.slices
+        width = plan.params[mixer + ".in_proj.weight"].local_shape[0]
+        assert (path, dim, size) == ("mup_vector", 2, model.get_buffer(mixer + ".mup_vector").shape[2])
+        assert all(sum(b - a for a, b in r) == width for r in runs)
+        assert plan.params[mixer + ".in_proj.weight"].role.value == "column"
+    with torch.device("meta"):
+        real = hf.FalconH1ForCausalLM(hf.FalconH1Config(num_hidden_layers=4))
+    assert tpcompile.plan_model(real, tp=4).over_ideal() <= 1.05  # 1.09x with the mixers whole
 
 
 def test_mamba_mixer_splits_by_channels_with_a_reentering_row() -> None:

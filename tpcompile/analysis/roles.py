@@ -28,7 +28,7 @@ from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
 from .gradients import along, rank_of, unsummed_gradients, varies
 from .partition import BlockLayout, Partition, partition
-from .propagate import Analysis, RuleSet, module_path
+from .propagate import Analysis, RuleSet, innermost_module, module_path
 from .reentry import Reentry, find_reentry
 from .state import Feat, ParamRef
 from .stats import STAT_OPS, SplitStat, find_split_stats
@@ -69,6 +69,8 @@ class Analyzed:
     addends: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # module -> the replicated arguments its call narrows to each rank's rows (:mod:`.entries`)
     entry_slices: dict[str, list[EntrySlice]] = field(default_factory=dict)
+    # module -> {buffer path under it: its rows per rank}, narrowed for its forward
+    buffer_slices: dict[str, dict[str, BlockLayout]] = field(default_factory=dict)
     # row module -> the parent whose call is the TP region instead (:mod:`.exits`)
     loop_parents: dict[str, str] = field(default_factory=dict)
 
@@ -133,10 +135,12 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
         if isinstance(ev.operand, ParamRef):
             ref = ev.operand
             if ref.is_buffer and sliced:
-                # a buffer is never sliced per rank (Falcon-H1's ``mup_vector`` scaling
-                # in_proj's output): its region stays whole, as a whole activation's would
-                force |= _region_blocks(part, an, ev.atoms.reshape(-1))
-                a.notes.append(f"buffer {ref.fqn} would need slicing; kept the region replicated")
+                # a buffer (no gradient) is narrowed to the rank's rows for its owner's
+                # forward (Falcon-H1's ``mup_vector`` scaling in_proj's split output)
+                why_not = _slice_buffer(a, ev, ref, ranks, sliced)
+                if why_not:
+                    force |= _region_blocks(part, an, ev.atoms.reshape(-1))
+                    a.notes.append(f"buffer {ref.fqn} {why_not}; kept the region replicated")
                 continue
             offset = nd - len(ref.dims)
             for d in sliced:
@@ -185,6 +189,33 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
             )
             force |= region
     return force
+
+
+def _slice_buffer(a: Analyzed, ev: Any, ref: ParamRef, ranks: np.ndarray, sliced: list[int]) -> str:
+    """Record the slice that narrows buffer ``ref`` to each rank's rows for its owner's
+    forward; ``""`` if done, else why it cannot be.  Every use of the buffer must be inside
+    that forward and sliced alike (the whole buffer is swapped for the call)."""
+    an = a.an
+    owner = ref.fqn.rpartition(".")[0]
+    offset = ranks.ndim - len(ref.dims)
+    pd = ref.dims[sliced[0] - offset] if len(sliced) == 1 and sliced[0] >= offset else None
+    if not owner or not isinstance(pd, int):
+        return "would need slicing along more than one dim, or outside a module"
+    lay = _slice_layout(ref.fqn, pd, a.part, ev.atoms, ranks, sliced[0])
+    if lay is None:
+        return "would need unequal slices per rank"
+    for node in an.graph.nodes:
+        v = an.value.get(node)
+        if isinstance(v, ParamRef) and v.fqn == ref.fqn and any(
+                not (innermost_module(u) + ".").startswith(owner + ".") for u in node.users):
+            return f"is read outside {owner}'s forward"
+    known = a.buffer_slices.setdefault(owner, {})
+    path = ref.fqn[len(owner) + 1:]
+    prev = known.get(path)
+    if prev is not None and (prev.dim != lay.dim or not np.array_equal(prev.index, lay.index)):
+        return "is sliced two ways"
+    known[path] = lay
+    return ""
 
 
 def _sliced_at_entry(a: Analyzed, ev: Any, ranks: np.ndarray, d: int, paths: EntryPaths | None) -> bool:

@@ -225,6 +225,10 @@ def check_local(
                 mods[full].register_forward_pre_hook(
                     lambda m, args, kwargs, _r=rows, _n=full: narrow_args(args, kwargs, _r, 0, _n),
                     with_kwargs=True)
+    for name, buffers in a.buffer_slices.items():  # the runtime's buffer slices, rank 0's rows
+        for full in expand(name):
+            if full in mods:
+                _narrow_buffers(mods[full], {path: (lay.dim, lay.index[0]) for path, lay in buffers.items()})
     with quiet_traces():
         with _module_stack(shadow) as stack:
             try:
@@ -238,6 +242,17 @@ def check_local(
                 detail = f"{first}" + (f" (at {line})" if line else "")
                 return [Mismatch(where, "", (), None, detail)]
     return _compare(a, graph, local, gathered)
+
+
+def _narrow_buffers(module: nn.Module, rows: dict[str, tuple[int, Any]]) -> None:
+    """The shadow's buffers at ``rows`` (path -> (dim, rank 0's rows)) narrowed, as the
+    runtime's :class:`~tpcompile.plan.modules.SliceBuffers` narrows them for ``module``'s
+    forward, the only code that reads them (the analysis checked)."""
+    for path, (dim, index) in rows.items():
+        owner, _, leaf = path.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        whole = sub._buffers[leaf]
+        sub._buffers[leaf] = whole.index_select(dim, torch.as_tensor(index, dtype=torch.long, device=whole.device))
 
 
 def resolve_fixups(

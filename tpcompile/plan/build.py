@@ -49,6 +49,7 @@ from .modules import (
     ModuleOp,
     ModulePlan,
     ReduceOutput,
+    SliceBuffers,
     SliceInputs,
     SplitStats,
     VocabEmbedding,
@@ -375,6 +376,9 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
     for m, slices in a.entry_slices.items():
         rep_ops[m][SliceInputs] = SliceInputs(slices=tuple(es.as_tuple() for es in slices))
+    for m, buffers in a.buffer_slices.items():
+        rep_ops[m][SliceBuffers] = SliceBuffers(slices=tuple(
+            (path, lay.dim, lay.size, index_to_runs(lay.index)) for path, lay in sorted(buffers.items())))
     for fqn, users in a.embedding.items():
         for m in users:
             rep_ops[m][VocabEmbedding] = VocabEmbedding(vocab_size=int(a.layouts[fqn].size))

@@ -14,6 +14,8 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
                                        sums all-reduced (and their gradients, backward)
     SliceInputs(slices=[...])          replicated arguments without gradient narrowed to this
                                        rank's rows as the call enters (no collective)
+    SliceBuffers(slices=[...])         buffers applied to split features narrowed to this
+                                       rank's rows for the call (no collective)
 
 ``dump-plan`` prints these objects, the cost model prices :meth:`ModulePlan.collectives`
 and the runtime installs one handler per op type
@@ -52,7 +54,7 @@ from ..errors import TPError
 
 __all__ = [
     "Collective", "EnterRegion", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
-    "SliceInputs", "SplitStats", "VocabEmbedding",
+    "SliceBuffers", "SliceInputs", "SplitStats", "VocabEmbedding",
 ]
 
 # all-reduces one split statistic issues (var / std: the mean, then the squared deviations)
@@ -272,8 +274,51 @@ class SliceInputs(ModuleOp):
         return narrow_args(args, kwargs, self.slices, rank, where)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SliceBuffers(ModuleOp):
+    """Buffers this module's forward applies elementwise to split features, narrowed to
+    this rank's rows for the call and restored after it (Falcon-H1's ``mup_vector``
+    scaling ``in_proj``'s split output): the module keeps the whole buffer, so
+    ``state_dict``, delayed init and checkpoints see it unchanged.  Each entry of
+    ``slices`` is ``(path, dim, size, runs)``: the buffer's path under this module, its dim
+    of ``size`` global rows and, per TP rank, the runs ``[start, stop)`` of rows it keeps
+    (``[-1, n]``: ``n`` padding rows, which meet only zero features).  No collective.
+
+    Example:
+        >>> import torch
+        >>> op = SliceBuffers(slices=(("scale", 0, 4, (((0, 2),), ((2, 4),))),))
+        >>> op.local(torch.arange(4.0), 0, rank=1).tolist()
+        [2.0, 3.0]
+    """
+
+    kind: ClassVar[str] = "slice_buffers"
+    order: ClassVar[int] = 1
+    slices: tuple = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists: the canonical form is tuples
+        object.__setattr__(self, "slices", tuple(
+            (str(e[0]), int(e[1]), int(e[2]), tuple(tuple((int(a), int(b)) for a, b in r) for r in e[3]))
+            for e in self.slices))
+
+    def collectives(self) -> list[Collective]:
+        return []
+
+    def local(self, buffer: Any, i: int, rank: int, where: str = "") -> Any:
+        """``rank``'s rows of the ``i``-th sliced buffer (padding rows: zeros)."""
+        import numpy as np
+
+        from .types import runs_to_index, select_rows
+
+        path, dim, size, runs = self.slices[i]
+        if buffer.dim() <= dim or buffer.shape[dim] != size:
+            raise TPError(f"{where or 'a module'}: the plan slices its buffer {path} to this rank's rows of "
+                          f"{size} along dim {dim}, but it holds {list(buffer.shape)}: the buffer changed "
+                          "since the model was planned; plan it again")
+        return select_rows(buffer, dim, np.asarray(runs_to_index([list(runs[rank])])[0]))
+
+
 OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,
-                                                            GatherOutput, SplitStats, SliceInputs)}
+                                                            GatherOutput, SplitStats, SliceInputs, SliceBuffers)}
 
 
 @dataclass(kw_only=True)

@@ -41,6 +41,7 @@ from ..plan.modules import (
     GradSum,
     ModulePlan,
     ReduceOutput,
+    SliceBuffers,
     SliceInputs,
     SplitStats,
     VocabEmbedding,
@@ -227,7 +228,10 @@ class TorchBackend:
             for h in handlers:
                 h.cleanup(state)
             for name, p in state.pop("saved", {}).items():
-                mod._parameters[name] = p
+                if isinstance(name, tuple):  # a buffer a handler narrowed: (submodule, leaf)
+                    name[0]._buffers[name[1]] = p
+                else:
+                    mod._parameters[name] = p
             mod.__dict__.update(state.pop("shadowed", {}))
             state.pop("mask", None)
 
@@ -392,6 +396,18 @@ class _SliceInputHooks(OpHooks):
         return self.op.apply(args, kwargs, self.backend.rank, self.fqn)
 
 
+class _SliceBufferHooks(OpHooks):
+    """Buffers applied to split features narrowed to this rank's rows for the call; the
+    whole buffer goes back after it (``saved``, keyed by ``(submodule, leaf)``)."""
+
+    def swap(self, mod: nn.Module, saved: dict[Any, Any]) -> None:
+        for i, (path, *_) in enumerate(self.op.slices):
+            owner, _, leaf = path.rpartition(".")
+            sub = mod.get_submodule(owner) if owner else mod
+            whole = saved.setdefault((sub, leaf), sub._buffers[leaf])
+            sub._buffers[leaf] = self.op.local(whole, i, self.backend.rank, self.fqn)
+
+
 class _GatherHooks(OpHooks):
     def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
         vocab = self.op.vocab_size
@@ -408,7 +424,7 @@ class _GatherHooks(OpHooks):
 HANDLERS: dict[type, type[OpHooks]] = {
     GradSum: _GradSumHooks, EnterRegion: _EnterHooks, VocabEmbedding: _VocabHooks,
     ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks, SplitStats: _SplitStatHooks,
-    SliceInputs: _SliceInputHooks,
+    SliceInputs: _SliceInputHooks, SliceBuffers: _SliceBufferHooks,
 }
 
 
