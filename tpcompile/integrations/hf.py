@@ -145,14 +145,17 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any) -> tuple[Any, ...
 
 def support_trainers() -> None:
     """Add :class:`TrainerSupport` to the callbacks every ``transformers.Trainer`` starts
-    with (its ``DEFAULT_CALLBACKS``).  Idempotent; called by ``transform`` / ``parallelize``."""
-    try:
-        from transformers import trainer
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return
-    from .trainer import (
-        TrainerSupport,  # imports transformers' Trainer stack: not at import tpcompile
-    )
+    with (its ``DEFAULT_CALLBACKS``) — now if the Trainer is imported, else right after it
+    is: importing the Trainer stack (accelerate and the rest) costs ~85 MB resident per
+    rank, which a job that never trains with it should not pay.  Idempotent; called by
+    ``transform`` / ``parallelize``."""
+    from ..runtime.adapters import when_imported
+
+    when_imported("transformers.trainer", _add_trainer_callback)
+
+
+def _add_trainer_callback(trainer: Any) -> None:
+    from .trainer import TrainerSupport
 
     if not any(cb is TrainerSupport or isinstance(cb, TrainerSupport) for cb in trainer.DEFAULT_CALLBACKS):
         trainer.DEFAULT_CALLBACKS.append(TrainerSupport)
