@@ -203,3 +203,32 @@ def test_trainer_dp2_tp2_world4(tmp_path: Path) -> None:
     results = run_distributed(_child, 4, "fsdp", str(tmp_path))
     _check(results, 4)
     assert all("parallelize" in r["dp_refused"] for r in results), [r.get("dp_refused") for r in results]
+
+
+def test_transform_adds_trainer_support_when_the_trainer_is_imported_later() -> None:
+    """transform does not import the Trainer stack (~85 MB resident per rank); a Trainer
+    imported after it still starts with tpcompile's callback."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from dist import free_port
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        import transformers as hf
+        import tpcompile
+        cfg = hf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2)
+        tpcompile.transform(hf.LlamaForCausalLM(cfg), tp=1)
+        assert "transformers.trainer" not in sys.modules, "transform imported the Trainer stack"
+        from transformers import Trainer, trainer
+        from tpcompile.integrations.trainer import TrainerSupport
+        assert trainer.DEFAULT_CALLBACKS.count(TrainerSupport) == 1, trainer.DEFAULT_CALLBACKS
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
