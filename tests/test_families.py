@@ -340,6 +340,11 @@ def test_a_buffer_applied_to_split_features_is_narrowed_per_rank() -> None:
         assert (path, dim, size) == ("mup_vector", 2, model.get_buffer(mixer + ".mup_vector").shape[2])
         assert all(sum(b - a for a, b in r) == width for r in runs)
         assert plan.params[mixer + ".in_proj.weight"].role.value == "column"
+    # a root buffer added to the head's logits (BART's final_logits_bias): the default mode
+    # gathers the logits before it, so the head stays vocab-split and the buffer whole
+    bart = tpcompile.plan_model(build("bart", "sdpa", meta=True), tp=2)
+    assert bart.params["model.shared.weight"].role.value == "lm_head"
+    assert not any(m.op(SliceBuffers) for m in bart.modules.values())
     with torch.device("meta"):
         real = hf.FalconH1ForCausalLM(hf.FalconH1Config(num_hidden_layers=4))
     assert tpcompile.plan_model(real, tp=4).over_ideal() <= 1.05  # 1.09x with the mixers whole

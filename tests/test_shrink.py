@@ -161,6 +161,16 @@ def test_state_space_heads_tile_the_width(name: str, keys: tuple) -> None:
     assert getattr(small, heads) <= 8 and small.hidden_size <= 128
 
 
+def test_sizes_tied_to_others_follow_them() -> None:
+    """SigLIP's text projection_size equals the vision width its logits multiply with;
+    Marian's decoder vocabulary is the vocabulary: both shrink with what they equal."""
+    siglip = shrink_config(AutoConfig.for_model("siglip"), 2)
+    assert siglip.text_config.projection_size == siglip.text_config.hidden_size == siglip.vision_config.hidden_size
+    marian = shrink_config(AutoConfig.for_model("marian"), 2)
+    assert marian.decoder_vocab_size == marian.vocab_size <= 512
+    assert marian.pad_token_id < marian.vocab_size
+
+
 def test_count_and_size_helpers() -> None:
     assert count_for_tp(3, 8, 4) == 3 and count_for_tp(12, 8, 4) == 12 and count_for_tp(71, 2, 4) == 5
     assert size_for_tp(128256, 8, 256) == 256 and size_for_tp(50257, 4, 256) % 4 == 1

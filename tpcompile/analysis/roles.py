@@ -134,13 +134,11 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
         shared = [d for d in split_dims if shape[d] == 1] or ([-1] if multi else [])
         if isinstance(ev.operand, ParamRef):
             ref = ev.operand
-            if ref.is_buffer and sliced:
-                # a buffer (no gradient) is narrowed to the rank's rows for its owner's
-                # forward (Falcon-H1's ``mup_vector`` scaling in_proj's split output)
-                why_not = _slice_buffer(a, ev, ref, ranks, sliced)
-                if why_not:
-                    force |= _region_blocks(part, an, ev.atoms.reshape(-1))
-                    a.notes.append(f"buffer {ref.fqn} {why_not}; kept the region replicated")
+            if ref.is_buffer and sliced and not _slice_buffer(a, ev, ref, ranks, sliced):
+                # a buffer (no gradient) narrowed to the rank's rows for its owner's forward
+                # (Falcon-H1's ``mup_vector`` scaling in_proj's split output).  Any other
+                # is left to the self-check: a root buffer added to the logits the default
+                # mode gathers (BART's ``final_logits_bias``) needs no slice at all
                 continue
             offset = nd - len(ref.dims)
             for d in sliced:

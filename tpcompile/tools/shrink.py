@@ -59,7 +59,7 @@ _POSITION_KEYS = ("max_position_embeddings", "n_positions", "original_max_positi
 _LORA_KEYS = ("q_lora_rank", "kv_lora_rank")
 _MLA_DIM_KEYS = ("qk_nope_head_dim", "v_head_dim")
 # Sizes that are the model width under another name when equal to it in the real config.
-_HIDDEN_ALIASES = ("word_embed_proj_dim", "pooler_output_size", "projection_dim")
+_HIDDEN_ALIASES = ("word_embed_proj_dim", "pooler_output_size", "projection_dim", "projection_size")
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config", "encoder",
                 "decoder", "vision_tower_config")
 
@@ -383,6 +383,9 @@ def _shrink_vocab(data: dict[str, Any], new: dict[str, Any], tp: int) -> None:
     if "vocab_size" not in _get(data, ["vocab_size"]):
         return
     vocab = new["vocab_size"] = size_for_tp(data["vocab_size"], tp, _VOCAB)
+    if data.get("decoder_vocab_size") is not None:  # Marian: its own decoder vocabulary
+        new["decoder_vocab_size"] = vocab if data["decoder_vocab_size"] == data["vocab_size"] else \
+            size_for_tp(data["decoder_vocab_size"], tp, _VOCAB)
     for key, value in data.items():
         if key.endswith(("token_id", "token_ids", "_tokens")):
             new[key] = _fold_ids(value, vocab)
