@@ -31,7 +31,7 @@ __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
-             "mamba2_one_group", "falcon_h1", "jamba",
+             "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven"}
@@ -112,6 +112,12 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         if attn is not None:
             cfg._attn_implementation = attn
         return hf.FalconH1ForCausalLM, cfg
+    if name == "jetmoe":  # experts fed token groups split by data-dependent counts (.tolist())
+        from tpcompile.tools import shrink_config
+
+        cfg = shrink_config(hf.JetMoeConfig(), 2)
+        cfg._attn_implementation = attn or "sdpa"
+        return hf.JetMoeForCausalLM, cfg
     if name == "jamba":  # Mamba layers whose B / C / dt are normalised (params on a re-entered sum)
         from tpcompile.tools import shrink_config
 

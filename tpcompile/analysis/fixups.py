@@ -113,7 +113,8 @@ def _pairs(a: Analyzed, loc: Local) -> dict[str, dict[int, set[int]]]:
             sizes = node.args[1] if isinstance(node.args[1], list | tuple) else [node.args[1]]
             users = sorted((u for u in node.users), key=lambda u: u.args[1])
             for s, u in zip(sizes, users, strict=False):
-                pairs[mod][int(s)].add(loc.size(u, dim))
+                if isinstance(s, int):  # a size computed from data (a graph node) is no attribute
+                    pairs[mod][s].add(loc.size(u, dim))
         elif packet in _CONV and isinstance(an.value.get(node.args[0]), Feat):
             groups = node.args[8] if packet in (aten.convolution, aten._convolution) else (
                 node.args[6] if len(node.args) > 6 else 1)

@@ -248,6 +248,33 @@ def quiet_traces() -> Iterator[None]:
         log.setLevel(level)
 
 
+# the size a dim only real data sizes gets in the captured graph (the tokens one of
+# JetMoE's experts receives, ``split`` by counts read with ``tolist()``): a count of
+# positions, never of features, which the analysis only needs to be some fixed int
+DATA_DEPENDENT_SIZE = 7919
+
+
+def size_data_dependent(graph: torch.fx.Graph) -> None:
+    """Give every unbacked size in ``graph``'s fake values :data:`DATA_DEPENDENT_SIZE`, so
+    the analysis reads ``int(size)`` as for any other dim instead of guarding on data
+    (the graph is already exported: nothing is specialized by it)."""
+    import sympy
+
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        for size in val.shape if isinstance(val, torch.Tensor) else ():
+            if not isinstance(size, torch.SymInt):
+                continue
+            env = size.node.shape_env
+            unbacked = [x for x in size.node.expr.free_symbols if x not in env.backed_var_to_val]
+            if not unbacked:
+                continue
+            if env.real_tensor_prop_unbacked_vals is None:
+                env.real_tensor_prop_unbacked_vals = {}
+            for x in unbacked:
+                env.real_tensor_prop_unbacked_vals.setdefault(x, sympy.Integer(DATA_DEPENDENT_SIZE))
+
+
 def data_dependent(err: BaseException | None) -> bool:
     """Did ``err`` (or what caused it) come from a value only real data has: a guard on an
     unbacked symbol (``nonzero``'s length, ``item``), or a fake-tensor op refusing to
@@ -339,6 +366,7 @@ def capture(
         ) from err
     finally:
         model.train(was_training)
+    size_data_dependent(ep.graph)
     sig = ep.graph_signature
     layer_stacks = _layer_stacks(stacks)
     return Capture(
