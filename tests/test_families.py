@@ -573,3 +573,17 @@ def test_padding_and_tiling_off_the_feature_dim_keep_the_split() -> None:
     # planned, its gated attention kept replicated and its feed-forward split
     wavlm = tpcompile.plan_model(build_small_model(AutoConfig.for_model("wavlm"), tp=2), tp=2)
     assert wavlm.params["encoder.layers.0.feed_forward.intermediate_dense.weight"].role.value == "column"
+
+
+def test_a_region_no_tp_splits_stays_whole_instead_of_refusing() -> None:
+    """Gemma 4's per-layer inputs form one unit per layer, each layer's gate needing all of
+    one: no tp > 1 places it, so it stays replicated (named) instead of refusing the model;
+    the real config then holds about the ideal bytes per rank."""
+    from tpcompile.tools import shrink_config
+
+    with torch.device("meta"):
+        small = hf.AutoModelForCausalLM.from_config(shrink_config(hf.AutoConfig.for_model("gemma4_text"), 2))
+    with pytest.warns(UserWarning, match="per_layer_input_gate"):
+        plan = tpcompile.plan_model(small, tp=2)
+    assert plan.params["model.layers.0.self_attn.q_proj.weight"].role.value == "column"
+    assert plan.params["model.layers.0.per_layer_input_gate.weight"].role.value == "replicated"

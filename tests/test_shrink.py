@@ -176,3 +176,14 @@ def test_count_and_size_helpers() -> None:
     assert size_for_tp(128256, 8, 256) == 256 and size_for_tp(50257, 4, 256) % 4 == 1
     with pytest.raises(TPError, match="tp must be an integer >= 1"):
         shrink_config(AutoConfig.for_model("llama"), 0)
+
+
+def test_per_layer_overrides_and_widths_follow_the_kept_layers() -> None:
+    """Gemma 4's per_layer_config (layer index -> head_dim override) and Gemma 3n's
+    per-layer intermediate sizes and KV-sharing tail are rewritten for the kept layers."""
+    g4 = shrink_config(AutoConfig.for_model("gemma4_text"), 2).to_dict()
+    assert g4["layer_types"] == ["sliding_attention", "full_attention"]
+    assert g4["per_layer_config"] == {"1": {"head_dim": 2 * g4["head_dim"]}}
+    g3n = shrink_config(AutoConfig.for_model("gemma3n_text"), 2).to_dict()
+    assert len(g3n["intermediate_size"]) == g3n["num_hidden_layers"] and max(g3n["intermediate_size"]) <= 256
+    assert 0 < g3n["num_kv_shared_layers"] < g3n["num_hidden_layers"]

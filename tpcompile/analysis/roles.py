@@ -459,8 +459,10 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
                 f"tp values that work for it: {f.valid_tp}"
             )
             # a head count that does not divide tp is the user's to fix; a region of unequal
-            # units (a low-rank latent) or one exposed by later passes is simply replicated
-            if strict and n_pass == 1 and not f.uneven_units:
+            # units (a low-rank latent), one no tp > 1 splits (Gemma 4's per-layer inputs:
+            # one unit per layer, each layer's gate needing all of one) or one exposed by
+            # later passes is simply replicated
+            if strict and n_pass == 1 and not f.uneven_units and any(t > 1 for t in f.valid_tp):
                 raise TPError(msg)
             notes.append(msg + " (kept replicated)")
             _because(why, set(f.blocks), msg)

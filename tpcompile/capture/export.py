@@ -248,6 +248,27 @@ def quiet_traces() -> Iterator[None]:
         log.setLevel(level)
 
 
+# ATen's alias ops that torch.export may keep (Gemma 3n's ``torch.multiply``): the same
+# op under another name, rewritten to the name the rules and the runtime know
+_ALIASES = {"multiply": "mul", "divide": "div", "subtract": "sub", "greater": "gt", "greater_equal": "ge",
+            "less": "lt", "less_equal": "le", "not_equal": "ne", "negative": "neg", "absolute": "abs",
+            "arctan": "atan", "clip": "clamp", "multiply_": "mul_", "divide_": "div_", "subtract_": "sub_"}
+
+
+def canonical_aliases(graph: torch.fx.Graph) -> None:
+    """Rewrite every alias op of ``graph`` (``aten.multiply.Tensor``) to its canonical
+    overload (``aten.mul.Tensor``): the same computation, one name for the analysis."""
+    aten = torch.ops.aten
+    for node in graph.nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        name = getattr(packet, "__name__", "").split(".")[-1]
+        if node.op != "call_function" or name not in _ALIASES:
+            continue
+        canonical = getattr(getattr(aten, _ALIASES[name]), node.target._overloadname, None)
+        if canonical is not None:
+            node.target = canonical
+
+
 # the size a dim only real data sizes gets in the captured graph (the tokens one of
 # JetMoE's experts receives, ``split`` by counts read with ``tolist()``): a count of
 # positions, never of features, which the analysis only needs to be some fixed int
@@ -367,6 +388,7 @@ def capture(
     finally:
         model.train(was_training)
     size_data_dependent(ep.graph)
+    canonical_aliases(ep.graph)
     sig = ep.graph_signature
     layer_stacks = _layer_stacks(stacks)
     return Capture(

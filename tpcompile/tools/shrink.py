@@ -116,6 +116,9 @@ _THRESHOLDS: dict[str, _Predicate] = {
     "first_k_dense_replace": lambda i, k: i < k,        # DeepSeek: dense MLP before k
     "max_window_layers": lambda i, k: i < k,            # Qwen2: full attention before k
 }
+# Counts of the last layers that differ (Gemma 3n: the last k layers reuse earlier
+# layers' keys and values)
+_FROM_END = ("num_kv_shared_layers",)
 _PERIODS: dict[str, _Predicate] = {
     "decoder_sparse_step": lambda i, s: s > 0 and (i + 1) % s == 0,   # Qwen2-MoE
     "moe_layer_freq": lambda i, f: f > 0 and i % f == 0,              # DeepSeek-V2
@@ -133,12 +136,28 @@ def _per_layer_fields(data: dict[str, Any], layers: int) -> tuple[list[str], lis
     per_layer, indices = [], []
     for key, value in data.items():
         if isinstance(value, (list, str)) and len(value) == layers and layers > 1 and (
-                "layer" in key or "pattern" in key or "block_type" in key):
+                "layer" in key or "pattern" in key or "block_type" in key or key in _FFN_KEYS):
             per_layer.append(key)
         elif ("layer" in key and isinstance(value, list) and value
               and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)):
             indices.append(key)
     return per_layer, indices
+
+
+def _layer_maps(data: dict[str, Any], layers: int) -> dict[str, dict[int, Any]]:
+    """Fields mapping layer indices to per-layer overrides (Gemma 4's ``per_layer_config``:
+    ``{"05": {"head_dim": 512}, ...}``), as ``{field: {layer index: override}}``."""
+    out: dict[str, dict[int, Any]] = {}
+    for key, value in data.items():
+        if "layer" not in key or not isinstance(value, dict) or not value:
+            continue
+        try:
+            indexed = {int(k): v for k, v in value.items()}
+        except (TypeError, ValueError):
+            continue
+        if all(0 <= i < layers for i in indexed):
+            out[key] = indexed
+    return out
 
 
 def _layer_kind(data: dict[str, Any], i: int, per_layer: list[str], indices: list[str]) -> tuple:
@@ -171,7 +190,10 @@ def _shrink_layers(data: dict[str, Any], new: dict[str, Any], layers_key: str, m
     rewrite every per-layer field for the kept layers."""
     total = data[layers_key]
     per_layer, indices = _per_layer_fields(data, total)
-    kinds = [_layer_kind(data, i, per_layer, indices) for i in range(total)]
+    maps = _layer_maps(data, total)
+    from_end = [k for k in _get(data, _FROM_END) if 0 < data[k] <= total]
+    kinds = [_layer_kind(data, i, per_layer, indices) + tuple(repr(m.get(i)) for m in maps.values())
+             + tuple(i >= total - data[k] for k in from_end) for i in range(total)]
     keep = sorted({kinds.index(k) for k in kinds})
     extra = [i for i in range(total) if i not in keep]
     keep = sorted(keep + extra[: max(0, min(minimum, total) - len(keep))])
@@ -181,6 +203,10 @@ def _shrink_layers(data: dict[str, Any], new: dict[str, Any], layers_key: str, m
         new[key] = "".join(value) if isinstance(data[key], str) else value
     for key in indices:
         new[key] = [keep.index(i) for i in data[key] if i in keep]
+    for key, m in maps.items():
+        new[key] = {str(keep.index(i)): v for i, v in m.items() if i in keep}
+    for key in from_end:
+        new[key] = sum(i >= total - data[key] for i in keep)
     for key, pred in _THRESHOLDS.items():
         if key in _get(data, [key]):
             flags = [pred(i, data[key]) for i in keep]
@@ -280,6 +306,9 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
             new["query_pre_attn_scalar"] = hd
     for key in _get(data, _FFN_KEYS):
         new[key] = size_for_tp(data[key], tp, _FFN, multiple=2)
+    for key in _FFN_KEYS:  # one width per layer (Gemma 3n), the kept layers' already
+        if isinstance(new.get(key), list):
+            new[key] = [size_for_tp(v, tp, _FFN, multiple=2) for v in new[key]]
     for key in _get(data, _EXPERT_FFN_KEYS):
         new[key] = size_for_tp(data[key], tp, _EXPERT_FFN, multiple=2)
     for key in _get(data, _LORA_KEYS):
@@ -296,6 +325,14 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
     # the head, rounded to an even count
     if isinstance(data.get("rotary_dim"), int) and real_hd:
         new["rotary_dim"] = max(2, (data["rotary_dim"] * hd // real_hd) // 2 * 2)
+    # per-layer overrides of the head width (Gemma 4's full-attention layers: twice the
+    # sliding ones') keep their ratio to the head width
+    for key, entries in new.items():
+        if isinstance(entries, dict) and key in _layer_maps(data, 1 << 30):
+            for v in entries.values():
+                for hk in _HEAD_DIM_KEYS:
+                    if isinstance(v, dict) and isinstance(v.get(hk), int) and real_hd:
+                        v[hk] = max(1, v[hk] * hd // real_hd)
     # State-space mixers: rank of the step projection is derived from the width.
     width = new.get(hidden_key) if hidden_key else None
     for key in ("time_step_rank", "mamba_dt_rank"):
