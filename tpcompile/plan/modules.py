@@ -296,25 +296,28 @@ class SliceBuffers(ModuleOp):
     slices: tuple = ()
 
     def __post_init__(self) -> None:  # JSON gives lists: the canonical form is tuples
+        from .types import runs_to_index
+
         object.__setattr__(self, "slices", tuple(
             (str(e[0]), int(e[1]), int(e[2]), tuple(tuple((int(a), int(b)) for a, b in r) for r in e[3]))
             for e in self.slices))
+        # each slice's rows per rank, built once (``local`` runs in every forward); not a field
+        object.__setattr__(self, "_rows", tuple(tuple(runs_to_index([list(r)])[0] for r in e[3])
+                                                for e in self.slices))
 
     def collectives(self) -> list[Collective]:
         return []
 
     def local(self, buffer: Any, i: int, rank: int, where: str = "") -> Any:
         """``rank``'s rows of the ``i``-th sliced buffer (padding rows: zeros)."""
-        import numpy as np
+        from .types import select_rows
 
-        from .types import runs_to_index, select_rows
-
-        path, dim, size, runs = self.slices[i]
+        path, dim, size, _ = self.slices[i]
         if buffer.dim() <= dim or buffer.shape[dim] != size:
             raise TPError(f"{where or 'a module'}: the plan slices its buffer {path} to this rank's rows of "
                           f"{size} along dim {dim}, but it holds {list(buffer.shape)}: the buffer changed "
                           "since the model was planned; plan it again")
-        return select_rows(buffer, dim, np.asarray(runs_to_index([list(runs[rank])])[0]))
+        return select_rows(buffer, dim, self._rows[i][rank])
 
 
 OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,

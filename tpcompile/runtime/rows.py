@@ -18,7 +18,12 @@ from torch import nn
 
 from ..plan.types import ParamPlan, Role
 
-__all__ = ["LocalRows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "shared_rows", "zero_padding"]
+__all__ = ["SHARED_ROW_LAYOUTS", "LocalRows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "shared_rows",
+           "zero_padding"]
+
+# layouts whose local tensor passes through :func:`shared_rows`: rows several ranks hold
+# (gradients summed), padding rows (gradients zeroed)
+SHARED_ROW_LAYOUTS = ("kv_replicated", "padded")
 
 
 @dataclass(frozen=True)

@@ -144,9 +144,10 @@ def _per_layer_fields(data: dict[str, Any], layers: int) -> tuple[list[str], lis
     return per_layer, indices
 
 
-def _layer_maps(data: dict[str, Any], layers: int) -> dict[str, dict[int, Any]]:
-    """Fields mapping layer indices to per-layer overrides (Gemma 4's ``per_layer_config``:
-    ``{"05": {"head_dim": 512}, ...}``), as ``{field: {layer index: override}}``."""
+def _layer_maps(data: dict[str, Any], layers: float = math.inf) -> dict[str, dict[int, Any]]:
+    """Fields mapping layer indices (below ``layers``) to per-layer overrides (Gemma 4's
+    ``per_layer_config``: ``{"05": {"head_dim": 512}, ...}``), as ``{field: {layer index:
+    override}}``."""
     out: dict[str, dict[int, Any]] = {}
     for key, value in data.items():
         if "layer" not in key or not isinstance(value, dict) or not value:
@@ -327,12 +328,11 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
         new["rotary_dim"] = max(2, (data["rotary_dim"] * hd // real_hd) // 2 * 2)
     # per-layer overrides of the head width (Gemma 4's full-attention layers: twice the
     # sliding ones') keep their ratio to the head width
-    for key, entries in new.items():
-        if isinstance(entries, dict) and key in _layer_maps(data, 1 << 30):
-            for v in entries.values():
-                for hk in _HEAD_DIM_KEYS:
-                    if isinstance(v, dict) and isinstance(v.get(hk), int) and real_hd:
-                        v[hk] = max(1, v[hk] * hd // real_hd)
+    for key in _layer_maps(data):
+        if isinstance(new.get(key), dict) and real_hd:
+            new[key] = {i: {k: max(1, v * hd // real_hd) if k in _HEAD_DIM_KEYS and isinstance(v, int) else v
+                            for k, v in entry.items()} if isinstance(entry, dict) else entry
+                        for i, entry in new[key].items()}
     # State-space mixers: rank of the step projection is derived from the width.
     width = new.get(hidden_key) if hidden_key else None
     for key in ("time_step_rank", "mamba_dt_rank"):
