@@ -17,7 +17,9 @@ MoE layers interleaved with dense ones); MPT and BLOOM (ALiBi built once outside
 attention and sliced to each rank's heads where it enters; BLOOM's has a row per batch
 entry and head); ``*_uneven``: 7 heads, which no tp divides (Falcon's fused MQA
 projection, GPT-2's ``[Q | K | V]`` sections, MPT's ALiBi, T5's per-head position bias),
-dealt unevenly with a padding head, and BitNet's statistic over them, kept whole).
+dealt unevenly with a padding head, and BitNet's statistic over them, kept whole);
+``*_straddle``: 20 query heads over 5 KV heads, whose query heads straddle KV groups at
+tp=2 and tp=4 (Llama, Phi-3's fused projection, BitNet's sub-norms).
 Models are returned in eval mode: dropout off, so the tensor-parallel copy and the
 reference see the same function.
 """
@@ -34,7 +36,8 @@ GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_nex
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom",
-             "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven"}
+             "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
+             "llama_straddle", "phi3_straddle", "bitnet_straddle"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -196,6 +199,21 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.BitNetForCausalLM, hf.BitNetConfig(
             hidden_size=112, intermediate_size=128, num_hidden_layers=2, num_attention_heads=7,
             num_key_value_heads=7, max_position_embeddings=128, **ids)
+    # 20 query heads over 5 KV heads (BitNet-2B's, Phi-3-medium's 40 / 10 halved): at tp=4
+    # and tp=2 a rank's query heads straddle KV groups, each rank holding one copy of a
+    # KV head per query head that reads it
+    if name == "llama_straddle":
+        return hf.LlamaForCausalLM, hf.LlamaConfig(
+            hidden_size=160, intermediate_size=128, num_hidden_layers=2, num_attention_heads=20,
+            num_key_value_heads=5, max_position_embeddings=128, **ids)
+    if name == "phi3_straddle":  # a fused [Q | K | V] projection sliced by config.num_key_value_heads
+        return hf.Phi3ForCausalLM, hf.Phi3Config(
+            hidden_size=160, intermediate_size=128, num_hidden_layers=2, num_attention_heads=20,
+            num_key_value_heads=5, max_position_embeddings=128, **ids)
+    if name == "bitnet_straddle":  # BitNet-2B's heads: sub-norms over the straddling heads' output
+        return hf.BitNetForCausalLM, hf.BitNetConfig(
+            hidden_size=160, intermediate_size=128, num_hidden_layers=2, num_attention_heads=20,
+            num_key_value_heads=5, max_position_embeddings=128, **ids)
     raise KeyError(f"no tiny builder for family {name!r}")
 
 

@@ -61,8 +61,10 @@ CASES_TP2 = [
     ("deepseek_v4", "eager"),
     # heads that no tp divides, dealt unevenly with a padding head
     ("falcon_uneven", "eager"), ("falcon_uneven", "sdpa"), ("mpt_uneven", None),
+    # query heads straddling KV groups: a KV head held once, read once per query head
+    ("llama_straddle", "eager"), ("phi3_straddle", "sdpa"),
 ]
-SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart", "falcon_uneven"}  # save_pretrained -> from_pretrained checked
+SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart", "falcon_uneven", "llama_straddle", "phi3_straddle"}  # save_pretrained -> from_pretrained checked
 PADDED = {"mpt", "bloom"}  # also a padded batch of another size
 NON_STRICT: set[str] = set()  # families transformed with strict=False
 
@@ -147,7 +149,8 @@ CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2",
              ("olmoe", "sdpa"), ("olmoe_mqa", "eager"), ("gpt_oss", "eager"),
              ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None),
              ("falcon_uneven", "sdpa"), ("gpt2_uneven", "eager"), ("mpt_uneven", None), ("t5_uneven", "sdpa"),
-             ("bitnet_uneven", "eager"), ("qwen2_uneven", "eager")]
+             ("bitnet_uneven", "eager"), ("qwen2_uneven", "eager"),
+             ("llama_straddle", "sdpa"), ("phi3_straddle", "eager"), ("bitnet_straddle", "sdpa")]
 
 
 @pytest.mark.slow
@@ -191,8 +194,9 @@ def _fsdp(rank: int, world: int, names: list) -> dict:
 
 
 @pytest.mark.slow
-def test_state_space_and_mla_train_under_fsdp2_times_tp() -> None:
-    for per_model in run_distributed(_fsdp, 4, ["deepseek_v3", "mamba", "mamba2", "mamba2_one_group", "gpt_oss"], timeout=900):
+def test_state_space_mla_and_straddling_heads_train_under_fsdp2_times_tp() -> None:
+    names = ["deepseek_v3", "mamba", "mamba2", "mamba2_one_group", "gpt_oss", "llama_straddle"]
+    for per_model in run_distributed(_fsdp, 4, names, timeout=900):
         for name, steps in per_model.items():
             for got, want in steps:
                 assert abs(got - want) <= 1e-4 * abs(want), (name, steps)

@@ -258,12 +258,13 @@ def test_one_kv_head_splits_the_queries_only() -> None:
     assert plan.params[attn + "k_proj.weight"].local_shape == [16, 64]  # the KV head, on every rank
 
 
-def test_query_heads_straddling_kv_groups_are_refused_clearly() -> None:
-    """20 query heads over 5 KV heads at tp=4: rank 0 would use 4 copies of KV head 0 and
-    1 of head 1, where its code broadcasts every KV head it holds by one count.  A clear
-    error naming the tp values that work (the self-check's shape mismatch before); not
-    strict, the attention replicated.  BitNet's (a sub-norm over the attention output,
-    which split statistics would open) is replicated as before, its MLP split."""
+def test_query_heads_straddling_kv_groups_split_with_their_statistics() -> None:
+    """20 query heads over 5 KV heads at tp=4: rank 0 reads KV head 0 four times and head
+    1 once; it holds both once and reads them as five (``num_key_value_groups`` 4 -> 1),
+    so the attention splits, and BitNet's sub-norm over the attention output is a split
+    statistic (the attention was replicated before: 1.54x the ideal bytes per rank on the
+    real config).  tp=8 would deal 20 heads unevenly *and* straddle groups: refused,
+    naming the tp values that work; not strict, the attention replicated."""
     from tpcompile.tools.shrink import shrink_config
 
     with torch.device("meta"):
@@ -271,15 +272,17 @@ def test_query_heads_straddling_kv_groups_are_refused_clearly() -> None:
             hidden_size=160, head_dim=8, num_attention_heads=20, num_key_value_heads=5, num_hidden_layers=1,
             intermediate_size=64, vocab_size=256))
         bitnet = hf.BitNetForCausalLM(shrink_config(hf.BitNetConfig(num_hidden_layers=1), 4))
-    # tp=16 works: 4 ranks take two heads, 12 one and a padding head, none two groups
-    with pytest.raises(TPError, match=r"copies .* tp values that work for it: \[1, 5, 10, 16, 20\]"):
-        tpcompile.plan_model(llama, tp=4)
-    with pytest.warns(UserWarning, match="copies"):
-        roles = tpcompile.plan_model(llama, tp=4, strict=False).roles()
+    assert tpcompile.plan_model(llama, tp=4).roles()["model.layers.0.self_attn.q_proj.weight"] == "column"
+    with pytest.raises(TPError, match=r"tp=8: .* tp values that work for it: \[1, 2, 4, 5, 10, 16, 20\]"):
+        tpcompile.plan_model(llama, tp=8)
+    with pytest.warns(UserWarning, match="kept replicated"):
+        roles = tpcompile.plan_model(llama, tp=8, strict=False).roles()
     assert (roles["model.layers.0.self_attn.q_proj.weight"], roles["model.layers.0.mlp.up_proj.weight"]) == (
         "replicated", "column")
     assert bitnet.config.num_key_value_heads == 5
     plan = _planned(bitnet, 4)
     attn = "model.layers.0.self_attn."
-    assert {plan.params[f"{attn}{n}.weight"].role.value for n in ("q_proj", "o_proj", "attn_sub_norm")} == {"replicated"}
+    assert plan.params[attn + "k_proj.weight"].layout == "kv_replicated"
+    assert {plan.params[f"{attn}{n}.weight"].layout for n in ("q_proj", "o_proj", "attn_sub_norm")} == {"contiguous"}
+    assert plan.modules[attn + "attn_sub_norm"].op(SplitStats) is not None
     assert plan.modules["model.layers.0.mlp.ffn_sub_norm"].op(SplitStats) is not None

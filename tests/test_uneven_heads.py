@@ -66,6 +66,46 @@ def test_a_statistic_over_padded_heads_keeps_them_whole() -> None:
     assert plan.params["model.layers.0.mlp.down_proj.weight"].layout == "contiguous"
 
 
+def test_query_heads_straddling_kv_groups_hold_each_kv_head_once() -> None:
+    # 20 query heads over 5 KV heads (groups of 4) at tp=4: rank 0's 5 query heads read KV
+    # head 0 four times and head 1 once.  Each rank holds its 2 KV heads once and reads
+    # them as 5 (``expand``), broadcasting by one: num_key_value_groups 4 -> 1
+    plan = tpcompile.plan_model(build("llama_straddle", "sdpa"), tp=4)
+    k = plan.params["model.layers.0.self_attn.k_proj.weight"]
+    assert k.layout == "kv_replicated" and k.local_shape == [16, 160] and k.compute_shape() == [40, 160]
+    assert k.runs == [[[0, 16]], [[8, 24]], [[16, 32]], [[24, 40]]]
+    # held positions read, as runs: head 0 (rows 0-7) four times, then head 1 (8-15)
+    assert k.expand[0] == [[0, 8], [0, 8], [0, 8], [0, 16]]
+    assert k.expand[1] == [[0, 8], [0, 8], [0, 16], [8, 16]]
+    assert plan.modules["model.layers.0.self_attn"].attr_fixups["num_key_value_groups"] == [4, 1]
+    # a rank reading fewer distinct KV heads holds as many as the others (12 heads over 4 at
+    # tp=6: rank 0 reads head 0 twice, rank 1 heads 0 and 1): its last one held twice
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    six = tpcompile.plan_model(LlamaForCausalLM(LlamaConfig(
+        hidden_size=96, intermediate_size=96, num_hidden_layers=1, num_attention_heads=12,
+        num_key_value_heads=4, vocab_size=96)), tp=6)
+    k6 = six.params["model.layers.0.self_attn.k_proj.weight"]
+    assert k6.runs[0] == [[0, 8], [0, 8]] and k6.expand[0] == [[0, 8], [0, 8]]
+    assert k6.runs[1] == [[0, 16]] and k6.expand[1] == [[0, 16]]
+
+
+@pytest.mark.parametrize("family, shape", [
+    ("bitnet", {}),  # BitNet b1.58 2B: 20 heads over 5 KV heads
+    ("phi3", dict(hidden_size=5120, num_attention_heads=40, num_key_value_heads=10,  # Phi-3-medium
+                  intermediate_size=17920, vocab_size=32064)),
+])
+def test_straddling_real_configs_split_to_the_ideal(family: str, shape: dict) -> None:
+    # refused (Phi-3-medium at tp=4 and 8) or kept whole (BitNet: 1.54x at tp=4) before
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, num_hidden_layers=2, **shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    for tp in (4, 8) if family == "phi3" else (4,):
+        assert tpcompile.plan_model(model, tp=tp).over_ideal() <= 1.05, tp
+
+
 class _UnitHeads(nn.Module):
     """Seven heads, each scaled to unit length without an epsilon: a padding head's zero
     query becomes 0 / 0 = NaN, which zero weights alone would carry to the output."""

@@ -47,12 +47,22 @@ class Local:
         # atoms placed on one rank answer directly; the rest (unsplit blocks, and KV
         # features several ranks hold) follow their base parameter row's layout
         held = np.ones(table.size, dtype=bool)
+        # rows rank 0 holds several times (KV heads copied once per query head that reads
+        # them, where query heads straddle KV groups); a copy a broadcast made is counted
+        # as itself
+        copies = np.ones(table.size, dtype=np.int64)
         for blk in table.blocks:
             lay = a.layouts.get(blk.key[0])
             if lay is not None and lay.dim == blk.key[1]:
                 held[blk.start : blk.start + blk.size] = False
-                held[blk.start + lay.index[0][lay.index[0] >= 0]] = True
-        self.rank0 = np.where(rank >= 0, rank == 0, held[table.base_of()])
+                rows = lay.index[0][lay.index[0] >= 0]
+                held[blk.start + rows] = True
+                np.add.at(copies, blk.start + rows, 1)
+                copies[blk.start + rows] -= 1
+        base = table.base_of()
+        self.rank0 = np.where(rank >= 0, rank == 0, held[base])
+        self.copies = np.where(table.is_replica(), 1, copies[base])
+        self.group = a.part.group[a.part.label]  # per atom: its KV head where broadcast
 
     def line(self, node: fx.Node, d: int) -> np.ndarray:
         """The atoms along dim ``d`` of ``node`` (first position of every other dim)."""
@@ -61,7 +71,14 @@ class Local:
         return along(atoms, d)
 
     def count(self, line: np.ndarray) -> int:
-        return int(np.where(line < 0, True, self.rank0[np.clip(line, 0, None)]).sum())
+        at = np.clip(line, 0, None)
+        held = np.where(line < 0, True, self.rank0[at])
+        copies = np.where(line < 0, 1, self.copies[at])
+        # a line across KV heads counts each head's copies; one inside a head (its features)
+        # counts each feature once, however often the head is copied
+        if (copies[held] > 1).any() and np.unique(self.group[at[line >= 0]]).size > 1:
+            return int(copies[held].sum())
+        return int(held.sum())
 
     def size(self, node: fx.Node, d: int) -> int:
         shape = self.a.an.shape(node)

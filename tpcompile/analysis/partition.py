@@ -90,6 +90,8 @@ class Partition:
     tp: int
     layouts: dict[tuple[str, int], BlockLayout] = field(default_factory=dict)
     failures: list[RegionFailure] = field(default_factory=list)
+    # per class label: the KV head it belongs to where broadcast (:attr:`_Atoms.group`)
+    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # rank holding each atom; -1 unplaced, -2 held by several ranks (replicated KV head)
     rank_of_atom: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     label: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -126,6 +128,9 @@ class _Atoms:
     block_of: np.ndarray  # per atom: index of its base's block, -1 if none
     # per broadcast: the classes of its base features, the base atoms and their copies
     broadcasts: list[tuple[set[int], np.ndarray, np.ndarray]] = field(default_factory=list)
+    # per class label: the class of its first broadcast copy (a KV head's features: the
+    # first query head reading them, one key for the head), else the class itself
+    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def _deal(tp: int, n: int, pad: bool) -> np.ndarray | None:
@@ -201,11 +206,13 @@ def _facts(an: Analysis) -> _Atoms:
     for i, blk in enumerate(table.blocks):
         block_of[blk.start : blk.start + blk.size] = i
     broadcasts = []
+    group = np.arange(table.size, dtype=np.int64)
     for bases, copies in zip(an.replicated_bases, an.replica_copies, strict=True):
         keep = bases >= 0
         if keep.any():
             broadcasts.append((set(np.unique(label[bases[keep]]).tolist()), bases[keep], copies[:, keep]))
-    return _Atoms(label, base, is_rep, follower, block_of[base], broadcasts)
+            group[label[bases[keep]]] = label[copies[0, keep]]
+    return _Atoms(label, base, is_rep, follower, block_of[base], broadcasts, group)
 
 
 def _regions(an: Analysis, f: _Atoms) -> list[_Region]:
@@ -290,6 +297,10 @@ def _layouts_for(
     out: dict[tuple[str, int], BlockLayout] = {}
     # each rank's last unit (where its padding goes) and its number of padding units
     padding = None if pads is None else ([int(region.classes[pads[0] == r][-1]) for r in range(tp)], pads[1])
+    uneven = _uneven_copies(region, on, f, padding)
+    # query heads straddling KV groups: each rank holds one copy of a KV head per query
+    # head that reads it, and its code broadcasts by one (:func:`_copy_counts`)
+    mult = _copy_counts(region, on, f) if uneven and padding is None else None
     for b in region.blocks:
         blk = table.blocks[b]
         prim = np.arange(blk.start, blk.start + blk.size)
@@ -298,6 +309,9 @@ def _layouts_for(
         if padding is not None:
             labels = f.label[prim]
             per_rank = [_padded(p, labels, padding[0][r], int(padding[1][r])) for r, p in enumerate(per_rank)]
+        if mult is not None:
+            labels = f.label[prim]
+            per_rank = [_repeated(p, labels, f.group[labels], mult[r]) for r, p in enumerate(per_rank)]
         sizes = {len(p) for p in per_rank}
         if region.vocab and len(sizes) > 1:
             width = max(sizes)
@@ -306,7 +320,45 @@ def _layouts_for(
         if len(sizes) != 1 or 0 in sizes:
             return f"{blk.key[0]} dim {blk.key[1]} would get {sorted(len(p) for p in per_rank)} features per rank"
         out[blk.key] = BlockLayout(blk.key[0], blk.key[1], blk.size, np.stack(per_rank).astype(np.int64))
-    return _uneven_copies(region, on, f, padding) or out
+    return out if mult is not None else uneven or out
+
+
+def _copy_counts(region: _Region, on: np.ndarray, f: _Atoms) -> list[dict[int, int]] | None:
+    """Per rank, how many copies of each broadcast (KV) class its units read —
+    ``[{class: copies}]`` — when query heads straddle KV groups (20 heads over 5 KV heads
+    at tp=4: rank 0 reads 4 copies of KV head 0 and 1 of head 1), or ``None`` where that
+    cannot be made local: a class whose features are read a different number of times
+    (a norm tying all KV heads into one unit), or one a rank holds but none of its units
+    reads.  Holding those copies as rows (:func:`_repeated`), the rank's code broadcasts
+    each by one (``num_key_value_groups`` becomes 1): the local KV heads pair with the
+    local query heads in order."""
+    followers = set(region.followers.tolist())
+    out: list[dict[int, int]] = [{} for _ in range(on.shape[0])]
+    for classes, base, copies in f.broadcasts:
+        if not classes & followers:
+            continue
+        held = on[:, f.label[base]]
+        counts = on[:, f.label[copies]].sum(axis=1)
+        for r in range(on.shape[0]):
+            for cls, n in zip(f.label[base][held[r]].tolist(), counts[r][held[r]].tolist(), strict=True):
+                if n == 0 or out[r].setdefault(cls, n) != n:
+                    return None
+    return out
+
+
+def _repeated(mine: np.ndarray, labels: np.ndarray, groups: np.ndarray, mult: dict[int, int]) -> np.ndarray:
+    """A rank's features of one block (``labels``: their classes, ``groups``: their
+    :attr:`_Atoms.group`) with each run of one group's consecutive features — one KV
+    head's — repeated as many times as the rank reads copies of them (``mult``): KV head
+    0's rows four times, then head 1's once, so the ``i``-th local KV head is the one the
+    ``i``-th local query head reads."""
+    out: list[np.ndarray] = []
+    start = 0
+    for j in range(mine.size):
+        if j + 1 == mine.size or groups[mine[j + 1]] != groups[mine[j]] or mine[j + 1] != mine[j] + 1:
+            out += [mine[start : j + 1]] * mult.get(int(labels[mine[j]]), 1)
+            start = j + 1
+    return np.concatenate(out) if out else mine
 
 
 def _uneven_copies(region: _Region, on: np.ndarray, f: _Atoms,
@@ -375,7 +427,7 @@ def partition(an: Analysis, tp: int) -> Partition:
     the ranks that hold fewer (:func:`_deal_padded`, :func:`_deal_grouped`)."""
     f = _facts(an)
     table = an.atoms
-    result = Partition(tp=tp, label=f.label, base=f.base)
+    result = Partition(tp=tp, label=f.label, base=f.base, group=f.group)
     rank_of_atom = np.full(table.size, -1, dtype=np.int64)
     for region in _regions(an, f):
         n = region.classes.size

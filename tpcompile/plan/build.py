@@ -54,7 +54,7 @@ from .modules import (
     SplitStats,
     VocabEmbedding,
 )
-from .types import ParamPlan, Plan, Role, index_to_runs
+from .types import ParamPlan, Plan, Role, index_to_runs, runs_to_index
 
 __all__ = ["build_plan", "plan_model"]
 
@@ -318,6 +318,22 @@ def _owner(fqn: str) -> tuple[str, str]:
     return mod, name
 
 
+def held_rows(index: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(held, expand)`` for a layout whose ranks read some rows several times (a KV head
+    copied per query head that reads it): each rank holds its distinct rows once, in
+    order of first use — every rank as many, the shorter repeating their first — and
+    ``expand[r]`` gives the held position of each row its forward reads.  A layout
+    without repeats is held as it is read (``expand`` ``None``)."""
+    rows = [list(dict.fromkeys(row.tolist())) for row in index]
+    if (index < 0).any() or all(len(r) == index.shape[1] for r in rows):
+        return index, None
+    width = max(len(r) for r in rows)
+    held = np.array([r + (r * width)[: width - len(r)] for r in rows], dtype=np.int64)
+    where = [{g: i for i, g in enumerate(r)} for r in rows]
+    expand = np.array([[w[g] for g in row.tolist()] for w, row in zip(where, index, strict=True)], dtype=np.int64)
+    return held, expand
+
+
 def _layout_kind(index: np.ndarray, size: int) -> str:
     tp, local = index.shape
     flat = index.reshape(-1)
@@ -410,14 +426,16 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             continue
         role = (Role.LM_HEAD if key in a.lm_head else Role.COLUMN if key in a.column else Role.ROW
                 if key in a.row else Role.VOCAB_EMBEDDING if key in a.embedding else Role.SHARDED)
-        local = list(p.shape)
-        local[lay.dim] = lay.local
         if key not in encoded:  # every block of one structure shares its representative's
-            encoded[key] = (_layout_kind(lay.index, lay.size), index_to_runs(lay.index))
-        kind, runs = encoded[key]
+            held, expand = held_rows(lay.index)
+            encoded[key] = (_layout_kind(held, lay.size), index_to_runs(held),
+                            None if expand is None else index_to_runs(expand))
+        kind, runs, expand_runs = encoded[key]
+        local = list(p.shape)
+        local[lay.dim] = len(runs_to_index(runs)[0])
         plan.params[name] = ParamPlan(
             fqn=name, role=role, module=owner, global_shape=list(p.shape), local_shape=local,
-            shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases,
+            shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases, expand=expand_runs,
         )
     for name, pp in plan.params.items():
         up = scopes.get(cap.stacks.representative(name))

@@ -106,9 +106,30 @@ class ParamPlan:
     scope: str | None = None
     # a parameter of 2+ dims the plan keeps whole: why (what in the dataflow stopped the split)
     whole_because: str = ""
+    # rows the forward uses several times on one rank (a KV head read by several of its
+    # query heads where they straddle KV groups) are held once: per rank, the positions
+    # of the held rows (``runs``) the forward reads, as runs; ``None``: the rows as held
+    expand: list[list[list[int]]] | None = None
 
     def index(self) -> np.ndarray | None:
+        """Each rank's global rows along ``shard_dim``, as held (``-1``: padding)."""
         return None if self.runs is None else runs_to_index(self.runs)
+
+    def compute_index(self) -> np.ndarray | None:
+        """Each rank's global rows as its forward reads them (held rows repeated per
+        ``expand``)."""
+        index = self.index()
+        if index is None or self.expand is None:
+            return index
+        return np.stack([row[at] for row, at in zip(index, runs_to_index(self.expand), strict=True)])
+
+    def compute_shape(self) -> list[int]:
+        """The local shape the forward sees (``local_shape`` unless rows are expanded)."""
+        if self.expand is None or self.shard_dim is None:
+            return list(self.local_shape)
+        shape = list(self.local_shape)
+        shape[self.shard_dim] = sum(b - a for a, b in self.expand[0])
+        return shape
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..analysis.fixups import apply_fixups, localize_embedding
 from ..plan.modules import ModulePlan, VocabEmbedding
 from ..plan.types import ParamPlan, Plan
-from .rows import SHARED_ROW_LAYOUTS, LocalRows, shared_rows
+from .rows import LocalRows, shared_rows, shares_rows
 from .state_dict import install_state_dict_hooks
 
 __all__ = ["apply_plan", "install_root_hooks"]
@@ -66,7 +66,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
             localize_embedding(mods[mname], vocab_range, emb.local_shape[emb.shard_dim])
         # rows several ranks hold (gradients summed) or padding rows (gradients zeroed)
         replicas = {n: by_alias[f"{mname}.{n}"] for n in names if f"{mname}.{n}" in by_alias
-                    and by_alias[f"{mname}.{n}"].layout in SHARED_ROW_LAYOUTS}
+                    and shares_rows(by_alias[f"{mname}.{n}"])}
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, paths in scoped.items():
         prefix = f"{mname}." if mname else ""
@@ -98,7 +98,7 @@ def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend
     one group for all heads, every rank holds)."""
     saved: list[tuple[nn.Module, str, Any]] = []
     rows = {path: LocalRows.of(pp, backend.rank) for path, pp in paths.items()
-            if pp.layout in SHARED_ROW_LAYOUTS}
+            if shares_rows(pp)}
 
     def pre(mod: nn.Module, args: tuple) -> None:
         for path, pp in paths.items():

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..errors import TPError
 from ..plan.types import Plan, Role
-from .rows import SHARED_ROW_LAYOUTS
+from .rows import shares_rows
 
 __all__ = ["NO_REDUCTION", "Fp8Spec", "TPFloat8Linear", "convert_fp8", "convert_fp8_estimate", "fp8_config",
            "fp8_modules", "gathers_fp8"]
@@ -101,7 +101,7 @@ def fp8_modules(model: nn.Module, plan: Plan,
         pp = plan.params.get(f"{name}.weight")
         if pp is None:
             continue
-        dims = [*pp.global_shape, *pp.local_shape]
+        dims = [*pp.global_shape, *pp.local_shape, *pp.compute_shape()]
         if any(d % _MULTIPLE for d in dims):
             continue
         if fp8_filter is not None:
@@ -122,7 +122,7 @@ def gathers_fp8(plan: Plan, name: str) -> bool:
     the copies in backward, which needs it in high precision; nor weights with padding
     rows (heads dealt unevenly), whose local tensor passes the same hook."""
     pp = plan.params.get(f"{name}.weight")
-    return pp is None or pp.layout not in SHARED_ROW_LAYOUTS
+    return pp is None or not shares_rows(pp)
 
 
 def convert_fp8(model: nn.Module, plan: Plan, mesh: Any, fp8: Any,

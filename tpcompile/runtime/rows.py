@@ -16,14 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan.types import ParamPlan, Role
+from ..plan.types import ParamPlan, Role, runs_to_index
 
-__all__ = ["SHARED_ROW_LAYOUTS", "LocalRows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "shared_rows",
+__all__ = ["SHARED_ROW_LAYOUTS", "LocalRows", "shares_rows", "PaddingGradZero", "ReplicaGradSum", "padding_masks", "shared_rows",
            "zero_padding"]
 
 # layouts whose local tensor passes through :func:`shared_rows`: rows several ranks hold
 # (gradients summed), padding rows (gradients zeroed)
 SHARED_ROW_LAYOUTS = ("kv_replicated", "padded")
+
+
+def shares_rows(pp: ParamPlan) -> bool:
+    """Does ``pp``'s local tensor pass through :func:`shared_rows` (rows several ranks
+    hold, padding rows, or rows the forward reads several times)?"""
+    return pp.layout in SHARED_ROW_LAYOUTS or pp.expand is not None
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class LocalRows:
     dim: int
     real: torch.Tensor | None  # positions of the real rows; ``None``: every row is real
     pads: torch.Tensor | None  # ``True`` at the padding rows; ``None``: there are none
+    # the held position of each row the forward reads (``ParamPlan.expand``); ``None``: as held
+    expand: torch.Tensor | None = None
 
     @classmethod
     def of(cls, pp: ParamPlan, rank: int) -> LocalRows:
@@ -44,8 +52,9 @@ class LocalRows:
         index = torch.as_tensor(pp.index()[rank])
         pads = index < 0
         padded = bool(pads.any())
+        expand = None if pp.expand is None else torch.as_tensor(runs_to_index(pp.expand)[rank])
         return cls(index, pp.global_shape[pp.shard_dim], pp.shard_dim,
-                   torch.nonzero(~pads).flatten() if padded else None, pads if padded else None)
+                   torch.nonzero(~pads).flatten() if padded else None, pads if padded else None, expand)
 
 
 class ReplicaGradSum(torch.autograd.Function):
@@ -121,11 +130,15 @@ class PaddingGradZero(torch.autograd.Function):
 
 def shared_rows(local: torch.Tensor, pp: ParamPlan, rows: LocalRows | None, group: Any) -> torch.Tensor:
     """``local`` as the module uses it: copies' gradients summed (``kv_replicated``) or
-    padding rows' zeroed, else as is.  ``rows``: ``LocalRows.of(pp, rank)``, found once."""
+    padding rows' zeroed, and rows read several times repeated (``expand``: autograd sums
+    their gradients into the held row), else as is.  ``rows``: ``LocalRows.of(pp, rank)``,
+    found once."""
     if rows is None:
         return local
     if pp.layout == "kv_replicated":
-        return ReplicaGradSum.apply(local, rows, group)
-    if rows.pads is not None:  # this rank's share has padding rows
-        return PaddingGradZero.apply(local, rows)
+        local = ReplicaGradSum.apply(local, rows, group)
+    elif rows.pads is not None:  # this rank's share has padding rows
+        local = PaddingGradZero.apply(local, rows)
+    if rows.expand is not None:
+        local = local.index_select(rows.dim, rows.expand.to(local.device))
     return local

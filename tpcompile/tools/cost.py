@@ -369,9 +369,10 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
     memo: dict[int, Any] = {}
     with mode:
         for name, p in model.named_parameters(remove_duplicate=False):  # primary name first
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty(local_shape(plan, name, p), dtype=p.dtype),
-                                           requires_grad=p.requires_grad)
+            if id(p) not in memo:  # as the forward reads it (rows read twice: twice)
+                pp = plan.params.get(name)
+                shape = pp.compute_shape() if pp is not None and plan.tp > 1 else local_shape(plan, name, p)
+                memo[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype), requires_grad=p.requires_grad)
         for b in model.buffers():
             memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
     shadow = copy.deepcopy(model, memo)
