@@ -7,7 +7,8 @@ enter a statistic stays whole; a padding head that computes a NaN reaches nothin
 launch over gloo): under FSDP2 the losses of AdamW steps equal one process's, the padding
 rows stay zero through the steps, a sharded checkpoint taken at tp=2 x dp_shard=2
 resumes at tp=4 (another padding) with equal losses, delayed init gives the same
-weights at both layouts, and pp=2 x tp=2 trains equal losses.  Exactness of outputs, every gradient and ``generate`` per
+weights at both layouts, pp=2 x tp=2 trains equal losses, and ``clip_grad_norm_`` counts
+each copied KV row once (Falcon's one KV head at tp=4, straddled KV heads under FSDP2).  Exactness of outputs, every gradient and ``generate`` per
 family is in ``test_families`` (the ``*_uneven`` cases).
 """
 
@@ -161,6 +162,27 @@ def _padding_values(model: torch.nn.Module) -> float:
     return worst
 
 
+def _norm_cases() -> list[tuple[str, dict]]:
+    # a KV head several TP ranks hold: Falcon's one KV head at tp=4, straddled KV heads at
+    # tp=4, and at tp=2 under FSDP2 (whose dp chunks cut the copied rows' dim)
+    return [("falcon_uneven", {"tp": 4}), ("llama_straddle", {"tp": 4}), ("llama_straddle", {"tp": 2, "dp_shard": 2})]
+
+
+def _grad_norm(name: str, layout: dict | None) -> float:
+    """The gradient norm ``torch.nn.utils.clip_grad_norm_`` returns after one backward."""
+    model = build(name, "sdpa").train()
+    if layout is not None:
+        tpcompile.parallelize(model, **layout)
+    ids = _batches()[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def _norms() -> list[float]:
+    return [_grad_norm(name, layout) for name, layout in _norm_cases()]
+
+
 def _world4(rank: int, world: int, root: str) -> dict:
     batches = _batches()
     model = build("falcon_uneven", "sdpa").train()
@@ -183,6 +205,7 @@ def _world4(rank: int, world: int, root: str) -> dict:
         out[f"padding_delayed_tp{layout['tp']}"] = _padding_values(meta)
     out["delayed_equal"] = all(torch.equal(v, delayed[4][k]) for k, v in delayed[2].items())
     out["unit_heads"] = _unit_heads()
+    out["norms"] = _norms()
     piped = build("falcon_uneven", "sdpa").train()  # pp=2 x tp=2: each stage's heads padded
     tpcompile.parallelize(piped, tp=2, pp=2, pp_microbatches=2, pp_schedule="1f1b")
     opt = torch.optim.AdamW(piped.parameters(), lr=LR)
@@ -213,6 +236,8 @@ def test_uneven_heads_train_resume_and_init_across_layouts(tmp_path: Path) -> No
         for key in ("padding", "padding_tp4", "padding_delayed_tp2", "padding_delayed_tp4"):
             assert r[key] == 0.0, key
         assert r["delayed_equal"]
+        # a copied KV row counts once in the gradient norm (4x for Falcon's KV head before)
+        assert r["norms"] == pytest.approx([_grad_norm(n, None) for n, _ in _norm_cases()], rel=REL)
         # the padding head's NaN is zeroed where it enters the row-parallel linear
         unit = r["unit_heads"]
         assert unit["layout"] == "padded" and unit["out"] < 1e-6 and unit["finite_grad"], unit

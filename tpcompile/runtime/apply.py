@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..analysis.fixups import apply_fixups, localize_embedding
 from ..plan.modules import ModulePlan, VocabEmbedding
 from ..plan.types import ParamPlan, Plan
+from .grad_norm import register_copies
 from .rows import LocalRows, shared_rows, shares_rows
 from .state_dict import install_state_dict_hooks
 
@@ -74,6 +75,10 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
+    for name, pp in plan.params.items():
+        if pp.layout == "kv_replicated":  # gradient norms count its copied rows once
+            mname, pname = _owner(name)
+            register_copies(mods[mname], pname, pp, backend.rank)
     if getattr(backend, "tp", 1) > 1:
         # state_dict()/load_state_dict() speak HF tensors, whatever the local layout
         install_state_dict_hooks(model, plan.params, backend.mesh)
