@@ -48,11 +48,15 @@ AFTER = {  # family, attention, LoRA targets (fused layouts included)
     "llama_sdpa": ("llama", "sdpa", ["q_proj", "v_proj", "down_proj"]),
     "gpt2_sdpa": ("gpt2", "sdpa", ["c_attn", "c_proj", "c_fc"]),
     "phi3_eager": ("phi3", "eager", ["qkv_proj", "gate_up_proj", "o_proj"]),
+    # one KV head on both ranks (kv_replicated): the adapted twin takes the HF shape of
+    # k_proj / v_proj, not the DTensor's tp x local rows
+    "llama_kv1_sdpa": ("llama_kv1", "sdpa", ["k_proj", "v_proj", "o_proj"]),
 }
 
 
 def _build(name: str = "llama", attn: str = "sdpa", train: bool = True) -> torch.nn.Module:
-    cfg = tiny_config(name)
+    family, _, kv = name.partition("_kv")  # "llama_kv1": the tiny llama with one KV head
+    cfg = tiny_config(family, **({"num_key_value_heads": int(kv)} if kv else {}))
     for key in DROPOUTS:
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
@@ -362,7 +366,7 @@ def test_lora_added_after_transform_trains_exactly(world2: CaseResults, case: st
     for r in world2[case]:
         assert r["dtensors"] and r["trainable"] and r["grad_keys"], r
         assert r["replans"] == 1, r  # every adapter of one get_peft_model planned at once
-        assert r["n_trainable"] >= 2 * 3 * tiny_config(AFTER[case][0]).num_hidden_layers  # A, B per target
+        assert r["n_trainable"] >= 2 * 3 * tiny_config(AFTER[case][0].partition("_kv")[0]).num_hidden_layers  # A, B per target
         assert r["grads"] < TOL, r
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
             assert abs(got - want) <= 1e-4 * abs(want), r

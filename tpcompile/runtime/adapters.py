@@ -167,12 +167,16 @@ def global_twin(model: nn.Module, plan: Plan) -> nn.Module:
     applied so far, under the model's current module names."""
     clones: dict[int, nn.Module] = {}
     tensors: dict[int, torch.Tensor] = {}
+    # the HF shape of each planned parameter: a DTensor's shape is ``tp`` times its local
+    # rows, not the HF rows where ranks hold copies (a KV head on every rank) or padding
+    shapes = {id(p): plan.params[n].global_shape for n, p in model.named_parameters(remove_duplicate=False)
+              if n in plan.params}
 
     def meta(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
         if id(t) not in tensors:
-            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            m = torch.empty(shapes.get(id(t), t.shape), dtype=t.dtype, device="meta")
             tensors[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
         return tensors[id(t)]
 
