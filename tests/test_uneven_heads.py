@@ -8,7 +8,9 @@ launch over gloo): under FSDP2 the losses of AdamW steps equal one process's, th
 rows stay zero through the steps, a sharded checkpoint taken at tp=2 x dp_shard=2
 resumes at tp=4 (another padding) with equal losses, delayed init gives the same
 weights at both layouts, pp=2 x tp=2 trains equal losses, and ``clip_grad_norm_`` counts
-each copied KV row once (Falcon's one KV head at tp=4, straddled KV heads under FSDP2).  Exactness of outputs, every gradient and ``generate`` per
+each copied KV row once (Falcon's one KV head at tp=4, straddled KV heads under FSDP2);
+straddled KV heads (20 query heads over 5) checkpoint at tp=2 x dp_shard=2 and resume
+at tp=4 with equal losses.  Exactness of outputs, every gradient and ``generate`` per
 family is in ``test_families`` (the ``*_uneven`` cases).
 """
 
@@ -183,6 +185,30 @@ def _norms() -> list[float]:
     return [_grad_norm(name, layout) for name, layout in _norm_cases()]
 
 
+def _straddle_steps(layouts: tuple[dict, dict] | None, root: str = "") -> list[float]:
+    """Four AdamW steps of the 20-head / 5-KV-head Llama: two at ``layouts[0]``, a sharded
+    checkpoint, two more at ``layouts[1]`` (``None``: one process throughout)."""
+    batches = _batches()
+    model = build("llama_straddle", "sdpa").train()
+    if layouts is not None:
+        tpcompile.parallelize(model, **layouts[0])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = [global_step(model, opt, b) for b in batches[:2]]
+    if layouts is None:
+        return losses + [global_step(model, opt, b) for b in batches[2:]]
+    ckpt.save(Path(root) / "straddle", model, opt, kind="sharded")
+    resumed = build("llama_straddle", "sdpa").train()
+    tpcompile.parallelize(resumed, **layouts[1])
+    opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    ckpt.load(Path(root) / "straddle", resumed, opt)
+    return losses + [global_step(resumed, opt, b) for b in batches[2:]]
+
+
+def _straddle_resume(root: str) -> list[float]:
+    # tp=2 x dp_shard=2 (each rank's 10 query heads read 3 KV heads) -> tp=4 (5 read 2)
+    return _straddle_steps(({"tp": 2, "dp_shard": 2}, {"tp": 4}), root)
+
+
 def _world4(rank: int, world: int, root: str) -> dict:
     batches = _batches()
     model = build("falcon_uneven", "sdpa").train()
@@ -206,6 +232,7 @@ def _world4(rank: int, world: int, root: str) -> dict:
     out["delayed_equal"] = all(torch.equal(v, delayed[4][k]) for k, v in delayed[2].items())
     out["unit_heads"] = _unit_heads()
     out["norms"] = _norms()
+    out["straddle"] = _straddle_resume(root)
     piped = build("falcon_uneven", "sdpa").train()  # pp=2 x tp=2: each stage's heads padded
     tpcompile.parallelize(piped, tp=2, pp=2, pp_microbatches=2, pp_schedule="1f1b")
     opt = torch.optim.AdamW(piped.parameters(), lr=LR)
@@ -229,6 +256,7 @@ def test_uneven_heads_train_resume_and_init_across_layouts(tmp_path: Path) -> No
     assert main(["translate", str(tmp_path / "sharded"), str(tmp_path / "hf"), "--quiet"]) == 0
     got = FalconForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert all(torch.equal(got[k], v) for k, v in results[0]["hf"].items())
+    straddle = _straddle_steps(None)
     for r in results:
         assert r["before"] == pytest.approx(want[:2], rel=REL)
         assert r["resumed"] == pytest.approx(want[2:], rel=REL)  # tp=2 x dp2 -> tp=4: another padding
@@ -236,6 +264,8 @@ def test_uneven_heads_train_resume_and_init_across_layouts(tmp_path: Path) -> No
         for key in ("padding", "padding_tp4", "padding_delayed_tp2", "padding_delayed_tp4"):
             assert r[key] == 0.0, key
         assert r["delayed_equal"]
+        # straddled KV heads train, checkpoint at tp=2 x dp2 and resume at tp=4 exactly
+        assert r["straddle"] == pytest.approx(straddle, rel=REL)
         # a copied KV row counts once in the gradient norm (4x for Falcon's KV head before)
         assert r["norms"] == pytest.approx([_grad_norm(n, None) for n, _ in _norm_cases()], rel=REL)
         # the padding head's NaN is zeroed where it enters the row-parallel linear
