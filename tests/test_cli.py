@@ -217,6 +217,16 @@ def test_dump_plan_local_model(tmp_path: Path, as_file: bool,
     assert plan["model_class"] == "LlamaForCausalLM"
     assert not any(".layers.1." in f for f in plan["params"])
     _check_roles(plan["params"], _LLAMA_LIKE)
+    # the path as the positional MODEL, as verify takes it
+    assert _dump_json(capsys, str(target), "--tp", "2", "--layers", "1")["params"] == plan["params"]
+
+
+def test_dump_plan_shows_kv_heads_read_per_query_head(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 20 query heads over 5 KV heads at tp=4: two KV heads held per rank, read as five
+    presets.tiny_config("llama", num_attention_heads=20, num_key_value_heads=5, hidden_size=160).save_pretrained(tmp_path)
+    assert main(["dump-plan", str(tmp_path), "--tp", "4", "--layers", "1"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if ".k_proj.weight" in line)
+    assert "kv_replicated, read as 40" in row and "[40, 160] → [16, 160]" in row, row
 
 
 def test_dump_plan_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,6 +214,8 @@ def _build_model(args: argparse.Namespace) -> nn.Module:
     """The meta-device model the user named (preset or local config)."""
     from . import presets
 
+    if args.name and not args.model and Path(args.name).expanduser().exists():
+        args.model, args.name = args.name, None  # a local directory or config.json, as verify takes it
     if args.model:
         if args.name:
             print(f"tpcompile: note: --model given, preset {args.name!r} ignored", file=sys.stderr)
@@ -416,7 +419,7 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
     def signature(fqn: str) -> tuple[Any, ...]:
         p = plan.params[fqn]
         return (p.role.value, tuple(p.global_shape), tuple(p.local_shape), p.layout,
-                dtypes.get(fqn, 4), len(p.tied_to))
+                dtypes.get(fqn, 4), len(p.tied_to), tuple(p.compute_shape()))
 
     rows: list[list[str]] = []
     total = 0
@@ -429,7 +432,10 @@ def _param_rows(plan: Plan, dtypes: dict[str, int]) -> tuple[list[list[str]], in
         if p.tied_to:
             name += f" (tied: {', '.join(p.tied_to)})"
         shapes = f"{_shape(p.global_shape)} → {_shape(p.local_shape)}"
-        rows.append([name, p.role.value, shapes, p.layout, human_bytes(size)])
+        layout = p.layout
+        if p.expand is not None:  # KV heads held once, read once per query head that uses them
+            layout += f", read as {p.compute_shape()[p.shard_dim]}"
+        rows.append([name, p.role.value, shapes, layout, human_bytes(size)])
     return rows, total
 
 
