@@ -54,13 +54,17 @@ CASES = {  # family, attention, transform / parallelize keywords
     "llama_eager": ("llama", "eager", {}),
     "qwen3_sp": ("qwen3", "sdpa", {"sequence_parallel": True}),
     "mixtral": ("mixtral", "sdpa", {}),
+    # one KV head on both ranks: k_proj / v_proj stay high precision (each copy gets a part
+    # of the output gradient, whose FP8 scale could not be one process's)
+    "llama_kv1": ("llama_kv1", "sdpa", {}),
     # a region the plan keeps whole still runs in FP8 (every rank casts the whole tensors)
     "llama_whole_attention": ("llama", "sdpa", {"overrides": {r"re:model\.layers\.\d+\.self_attn\..*": "replicated"}}),
 }
 
 
 def _build(name: str, attn: str) -> torch.nn.Module:
-    cfg = tiny_config(name)
+    family, _, kv = name.partition("_kv")  # "llama_kv1": the tiny llama with one KV head
+    cfg = tiny_config(family, **({"num_key_value_heads": int(kv)} if kv else {}))
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
@@ -538,6 +542,13 @@ def _check(r: dict, gathers: bool = False) -> None:
 def test_fp8_under_tp_equals_single_process_torchao(world2: CaseResults, case: str) -> None:
     for r in world2[case]:
         _check(r)
+
+
+@pytest.mark.slow
+def test_fp8_keeps_copied_kv_projections_high_precision(world2: CaseResults) -> None:
+    for r in world2["llama_kv1"]:
+        assert not any(n.endswith(("k_proj", "v_proj")) for n in r["chosen"]), r
+        assert {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qo"} <= set(r["chosen"]), r
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import TPError
-from ..plan.types import Plan, Role
+from ..plan.types import ParamPlan, Plan, Role
 from .rows import shares_rows
 
 __all__ = ["NO_REDUCTION", "Fp8Spec", "TPFloat8Linear", "convert_fp8", "convert_fp8_estimate", "fp8_config",
@@ -87,7 +87,8 @@ def fp8_modules(model: nn.Module, plan: Plan,
     every ``nn.Linear`` whose global and local dims are multiples of 16, split or kept
     whole by the plan, but the LM head (its logits stay high precision: the plan's
     ``lm_head`` role, or the model's ``get_output_embeddings()``) and MoE routers (the
-    plan's ``routers``, found from the dataflow: their scores choose the experts).  A
+    plan's ``routers``, found from the dataflow: their scores choose the experts), nor
+    KV projections whose rows several ranks hold or read several times (:func:`_copied`).  A
     linear the plan keeps whole has no split operand: every rank casts the whole tensor.
     ``fp8_filter(module, fqn)`` replaces the default choice among the linears (the
     multiple-of-16 rule still applies).
@@ -107,12 +108,21 @@ def fp8_modules(model: nn.Module, plan: Plan,
         if fp8_filter is not None:
             if not fp8_filter(mod, name):
                 continue
-        elif pp.role is Role.LM_HEAD or mod is head or name in routers:
+        elif pp.role is Role.LM_HEAD or mod is head or name in routers or _copied(pp):
             continue
         row = pp.role is Role.ROW and pp.shard_dim == 1
         column = pp.role is Role.COLUMN and pp.shard_dim == 0
         out[name] = Fp8Spec(input_split=row, weight_split=pp.shard_dim is not None, grad_split=column)
     return out
+
+
+def _copied(pp: ParamPlan) -> bool:
+    """A projection whose output rows several ranks hold, or one rank reads several times
+    (a KV head copied beyond tp, or read once per query head): each copy gets only its own
+    query heads' part of the output gradient, so the gradient's FP8 scale could not be
+    the one-process model's (the sum over the copies is never one tensor).  Kept in high
+    precision, like the LM head; a user's ``fp8_filter`` decides for itself."""
+    return pp.layout == "kv_replicated" or pp.expand is not None
 
 
 def gathers_fp8(plan: Plan, name: str) -> bool:
