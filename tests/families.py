@@ -37,7 +37,7 @@ GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_nex
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
-             "llama_straddle", "phi3_straddle", "bitnet_straddle"}
+             "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
 
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
@@ -205,6 +205,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
     if name == "llama_straddle":
         return hf.LlamaForCausalLM, hf.LlamaConfig(
             hidden_size=160, intermediate_size=128, num_hidden_layers=2, num_attention_heads=20,
+            num_key_value_heads=5, max_position_embeddings=128, **ids)
+    if name == "llama_straddle_padded":  # 10 heads over 5 KV heads: at tp=4 dealt 3/3/2/2 with padding, straddling
+        return hf.LlamaForCausalLM, hf.LlamaConfig(
+            hidden_size=80, intermediate_size=128, num_hidden_layers=2, num_attention_heads=10,
             num_key_value_heads=5, max_position_embeddings=128, **ids)
     if name == "phi3_straddle":  # a fused [Q | K | V] projection sliced by config.num_key_value_heads
         return hf.Phi3ForCausalLM, hf.Phi3Config(

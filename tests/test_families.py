@@ -150,7 +150,8 @@ CASES_TP4 = [("apertus", "sdpa"), ("bart", "sdpa"), ("clip", "sdpa"), ("mamba2",
              ("llama4_text", "sdpa"), ("mpt", None), ("dbrx", "sdpa"), ("bloom", None),
              ("falcon_uneven", "sdpa"), ("gpt2_uneven", "eager"), ("mpt_uneven", None), ("t5_uneven", "sdpa"),
              ("bitnet_uneven", "eager"), ("qwen2_uneven", "eager"),
-             ("llama_straddle", "sdpa"), ("phi3_straddle", "eager"), ("bitnet_straddle", "sdpa")]
+             ("llama_straddle", "sdpa"), ("phi3_straddle", "eager"), ("bitnet_straddle", "sdpa"),
+             ("llama_straddle_padded", "eager")]
 
 
 @pytest.mark.slow

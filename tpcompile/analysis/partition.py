@@ -288,11 +288,12 @@ def _padded(mine: np.ndarray, labels: np.ndarray, template: int, pads: int) -> n
 
 def _layouts_for(
     an: Analysis, region: _Region, on: np.ndarray, f: _Atoms, tp: int,
-    pads: tuple[np.ndarray, np.ndarray] | None = None,
+    pads: tuple[np.ndarray, np.ndarray] | None = None, *, flatten: bool = True,
 ) -> dict[tuple[str, int], BlockLayout] | str:
     """Each block's layout given the holdings ``on`` (:func:`_holdings`), or why the
     region cannot be placed so.  ``pads``: the ranks of the dealt units and each rank's
-    padding units (:func:`_deal_padded`)."""
+    padding units (:func:`_deal_padded`); ``flatten``: query heads may straddle KV
+    groups (:func:`_copy_counts`)."""
     table = an.atoms
     out: dict[tuple[str, int], BlockLayout] = {}
     # each rank's last unit (where its padding goes) and its number of padding units
@@ -300,7 +301,7 @@ def _layouts_for(
     uneven = _uneven_copies(region, on, f, padding)
     # query heads straddling KV groups: each rank holds one copy of a KV head per query
     # head that reads it, and its code broadcasts by one (:func:`_copy_counts`)
-    mult = _copy_counts(region, on, f) if uneven and padding is None else None
+    mult = _copy_counts(region, on, f, padding) if uneven and flatten else None
     for b in region.blocks:
         blk = table.blocks[b]
         prim = np.arange(blk.start, blk.start + blk.size)
@@ -323,7 +324,8 @@ def _layouts_for(
     return out if mult is not None else uneven or out
 
 
-def _copy_counts(region: _Region, on: np.ndarray, f: _Atoms) -> list[dict[int, int]] | None:
+def _copy_counts(region: _Region, on: np.ndarray, f: _Atoms,
+                 pads: tuple[list[int], np.ndarray] | None = None) -> list[dict[int, int]] | None:
     """Per rank, how many copies of each broadcast (KV) class its units read —
     ``[{class: copies}]`` — when query heads straddle KV groups (20 heads over 5 KV heads
     at tp=4: rank 0 reads 4 copies of KV head 0 and 1 of head 1), or ``None`` where that
@@ -331,7 +333,9 @@ def _copy_counts(region: _Region, on: np.ndarray, f: _Atoms) -> list[dict[int, i
     (a norm tying all KV heads into one unit), or one a rank holds but none of its units
     reads.  Holding those copies as rows (:func:`_repeated`), the rank's code broadcasts
     each by one (``num_key_value_groups`` becomes 1): the local KV heads pair with the
-    local query heads in order."""
+    local query heads in order.  A padding unit (``pads``: each rank's last unit and its
+    number of padding units) reads a copy of what its rank's last unit reads: its zero
+    query meets only zero columns of the output projection, whatever KV head it reads."""
     followers = set(region.followers.tolist())
     out: list[dict[int, int]] = [{} for _ in range(on.shape[0])]
     for classes, base, copies in f.broadcasts:
@@ -339,6 +343,9 @@ def _copy_counts(region: _Region, on: np.ndarray, f: _Atoms) -> list[dict[int, i
             continue
         held = on[:, f.label[base]]
         counts = on[:, f.label[copies]].sum(axis=1)
+        if pads is not None:
+            for r, (template, n) in enumerate(zip(*pads, strict=True)):
+                counts[r] += n * (f.label[copies] == template).sum(axis=0)
         for r in range(on.shape[0]):
             for cls, n in zip(f.label[base][held[r]].tolist(), counts[r][held[r]].tolist(), strict=True):
                 if n == 0 or out[r].setdefault(cls, n) != n:
@@ -354,9 +361,10 @@ def _repeated(mine: np.ndarray, labels: np.ndarray, groups: np.ndarray, mult: di
     ``i``-th local query head reads."""
     out: list[np.ndarray] = []
     start = 0
+    key = np.where(mine >= 0, groups[np.clip(mine, 0, None)], -1)  # padding rows: their own runs
     for j in range(mine.size):
-        if j + 1 == mine.size or groups[mine[j + 1]] != groups[mine[j]] or mine[j + 1] != mine[j] + 1:
-            out += [mine[start : j + 1]] * mult.get(int(labels[mine[j]]), 1)
+        if j + 1 == mine.size or key[j + 1] != key[j] or mine[j + 1] != mine[j] + 1:
+            out += [mine[start : j + 1]] * (mult.get(int(labels[mine[j]]), 1) if mine[j] >= 0 else 1)
             start = j + 1
     return np.concatenate(out) if out else mine
 
@@ -406,18 +414,27 @@ def _place(an: Analysis, region: _Region, f: _Atoms, tp: int) -> tuple[
     n = region.classes.size
     ranks = _deal(tp, n, pad=region.vocab and n >= tp)
     held = _holdings(region, ranks, f, tp) if ranks is not None else None
-    layouts = _layouts_for(an, region, held, f, tp) if held is not None else None
-    if isinstance(layouts, dict) or region.vocab or region.uneven:
+    layouts = _layouts_for(an, region, held, f, tp, flatten=False) if held is not None else None
+    if isinstance(layouts, dict):
         return ranks, held, layouts
+    if region.vocab or region.uneven:
+        return ranks, held, _layouts_for(an, region, held, f, tp) if held is not None else None
     groups = _groups(region, f)
+    deals = [(ranks, held, None)] if held is not None else []
     for padded in (_deal_padded(tp, n), None if groups is None else _deal_grouped(tp, groups)):
-        if padded is None:
-            continue
-        on = _holdings(region, padded[0], f, tp)
-        tried = _layouts_for(an, region, on, f, tp, padded)
-        if isinstance(tried, dict):
-            return padded[0], on, tried
-        layouts = layouts or tried
+        if padded is not None:
+            deals.append((padded[0], _holdings(region, padded[0], f, tp), padded))
+    # ranks reading whole KV groups first (Qwen2-7B's 28 heads at tp=8 within their groups
+    # hold one KV head each), then query heads straddling KV groups (each held KV head
+    # read once per query head: more copies)
+    for flatten in (False, True):
+        for dealt, on, padded in deals:
+            if not flatten and padded is None:
+                continue  # the even deal without straddling: tried above
+            tried = _layouts_for(an, region, on, f, tp, padded, flatten=flatten)
+            if isinstance(tried, dict):
+                return dealt, on, tried
+            layouts = layouts or tried
     return ranks, held, layouts
 
 
