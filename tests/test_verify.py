@@ -71,14 +71,13 @@ def test_verify_injected_fault_names_the_module(capfd: pytest.CaptureFixture[str
 
 @pytest.mark.slow
 def test_verify_transform_error_exits_1(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    # 6 query heads over 3 KV heads cannot split over 2 ranks (a rank would hold heads of
-    # two KV groups, padded or not); the shrunk copy keeps them.
-    AutoConfig.for_model("llama", num_attention_heads=6, num_key_value_heads=3,
-                         hidden_size=384).save_pretrained(tmp_path)
+    # StableLM's per-head LayerNorms (a ModuleList zipped with the heads) cannot follow
+    # the heads a rank holds: transform refuses it, naming the norm; the shrunk copy keeps them
+    AutoConfig.for_model("stablelm", qk_layernorm=True).save_pretrained(tmp_path)
     code, out, err = _verify_in_process(capfd, str(tmp_path / "config.json"), "--tp", "2",
                                         "--no-generate")
     assert code == 1, out + err
-    assert "FAILED: transform failed: TPError" in out and "tp=2" in out
+    assert "FAILED: transform failed: SelfCheckError" in out and "layernorm" in out and "tp=2" in out
     assert "Traceback" not in out + err
 
 
