@@ -108,8 +108,10 @@ def _weighted(grad: torch.Tensor, e: _Copies, p: float) -> torch.Tensor:
         for i, placement in enumerate(grad.placements):  # data-parallel chunks of dim 0, outer first
             # Shard(0) or FSDP2's _StridedShard(0) over a TP-split dim 0 (not a Shard subclass)
             if getattr(placement, "dim", None) == 0 and (i >= len(names) or names[i] != "tp"):
-                scale = scale.chunk(grad.device_mesh.size(i))[grad.device_mesh.get_local_rank(i)] \
-                    if scale.numel() else scale
+                # torch.chunk's split, as FSDP2's; fewer rows than ranks leave the last empty
+                chunks = scale.chunk(grad.device_mesh.size(i)) if scale.numel() else ()
+                at = grad.device_mesh.get_local_rank(i)
+                scale = chunks[at] if at < len(chunks) else scale[:0]
     if local.dim() <= e.dim or local.shape[e.dim] != scale.numel():
         raise TPError(f"{e.name}: its gradient holds {list(local.shape)} here, not the {scale.numel()} rows "
                       "tpcompile's plan gives this rank; the gradient norm cannot count its copied rows once")
