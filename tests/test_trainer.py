@@ -50,7 +50,9 @@ def _model() -> torch.nn.Module:
     from tpcompile.tools.presets import tiny_config
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config("llama"))
+    # one KV head, on both TP ranks: the Trainer's logged (and clipping) grad_norm counts
+    # that head once, as one process does
+    return AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=1))
 
 
 def _trainer(model: torch.nn.Module, out: str, batch: int, callbacks: list, accumulate: int = 1) -> object:
