@@ -330,3 +330,27 @@ def test_a_list_of_per_head_layers_is_traced_whole() -> None:
     assert tpcompile.plan_model(hf.StableLmForCausalLM(hf.StableLmConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=128)).to("meta"), tp=2).over_ideal() < 1.05  # without the per-head norms it splits
+
+
+def test_a_meta_model_is_captured_once_until_it_changes() -> None:
+    """Planning, the cost model and the layout search share one capture of a meta model;
+    a change the forward could see (config, attention implementation, a module, a hook)
+    captures afresh, and a model with real weights is never kept."""
+    from tpcompile.capture import capture
+    from tpcompile.tools.presets import build_meta_model
+
+    model = build_meta_model("llama", config=tiny_config("llama"))
+    first = capture(model)
+    assert capture(model) is first
+    assert capture(model, cut_stacks=False) is not first  # another key, not the memo
+    model.config._attn_implementation = "eager" if model.config._attn_implementation != "eager" else "sdpa"
+    second = capture(model)
+    assert second is not first and capture(model) is second
+    handle = model.model.norm.register_forward_hook(lambda *_: None)
+    assert capture(model) is not second
+    handle.remove()
+    model.model.layers = model.model.layers[:1]
+    assert len(capture(model).stacks.members.get("model.layers", [0])) == 1
+
+    real = Blorp()
+    assert capture(real) is not capture(real)

@@ -30,6 +30,7 @@ import itertools
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -370,6 +371,10 @@ def capture(
         >>> cap.stacks.expand("model.layers.0.mlp.up_proj.weight")  # all 32 layers
     """
     start = time.perf_counter()
+    default = example_args is None and not example_kwargs and not preserve
+    memo_key = _memo_key(model, cut_stacks) if default else None
+    if memo_key is not None and (hit := _MEMO.get(model)) is not None and hit[0] == memo_key:
+        return hit[1]
     if example_args is None and not example_kwargs:
         example_args, example_kwargs = _example_inputs(model)
     example_args = example_args or ()
@@ -391,7 +396,7 @@ def capture(
     canonical_aliases(ep.graph)
     sig = ep.graph_signature
     layer_stacks = _layer_stacks(stacks)
-    return Capture(
+    cap = Capture(
         graph=ep.graph,
         param_of_placeholder=dict(sig.inputs_to_parameters),
         buffer_of_placeholder=dict(sig.inputs_to_buffers),
@@ -400,3 +405,32 @@ def capture(
         seconds=time.perf_counter() - start,
         signatures={e.fqn: e.signature for e in ep.module_call_graph if e.fqn in preserve},
     )
+    if memo_key is not None:
+        _MEMO[model] = (memo_key, cap)
+    return cap
+
+
+# The last default capture of each meta model. Planning, the cost model and the layout
+# search each capture the same meta model with its default inputs (dump-plan did so three
+# times); the graph is read, never changed, after capture, so one serves them all. Real
+# models are not kept: their capture ends in transform, which replaces their weights.
+_MEMO: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Capture]] = weakref.WeakKeyDictionary()
+
+
+def _memo_key(model: nn.Module, cut_stacks: bool) -> tuple | None:
+    """What the default capture of ``model`` depends on, or None to capture afresh.
+
+    Module classes, parameter and buffer shapes, hooks and the config (attention
+    implementation included): a change to any of them changes the key."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    if not tensors or any(t.device.type != "meta" for t in tensors):
+        return None
+    config = getattr(model, "config", None)
+    settings = None
+    if config is not None:
+        to_json = getattr(config, "to_json_string", None)
+        settings = (to_json(use_diff=False) if callable(to_json) else repr(config),
+                    getattr(config, "_attn_implementation", None))
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return (cut_stacks, structural_signature(model), tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
+            hooks, settings)
