@@ -354,3 +354,8 @@ def test_a_meta_model_is_captured_once_until_it_changes() -> None:
 
     real = Blorp()
     assert capture(real) is not capture(real)
+    # a module attribute the forward reads (what the fix-ups make rank-local)
+    meta = build_meta_model("llama", config=tiny_config("llama"))
+    cap = capture(meta)
+    meta.model.layers[0].self_attn.scaling = 0.5
+    assert capture(meta) is not cap

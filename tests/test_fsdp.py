@@ -86,9 +86,10 @@ def _delayed_init(rank: int, layout: dict) -> dict:
     tp = model.tpcompile_parallel.tp
     full, local_numel, total = {}, 0, 0
     for name, p in model.named_parameters():
-        local_numel += p.to_local().numel()
+        # one process: no data-parallel rank to shard over, so no FSDP2 and plain tensors
+        local_numel += (p.to_local() if isinstance(p, DTensor) else p).numel()
         total += p.numel()
-        value = p.full_tensor()
+        value = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
         tmap = table.tensors.get(name) if table is not None else None
         if tmap is not None and tmap.sharded:  # the TP layout back to HF rows
             value = tmap.to_hf(list(value.chunk(tp, dim=tmap.shard_dim)))

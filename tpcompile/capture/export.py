@@ -420,8 +420,9 @@ _MEMO: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Capture]] = weakref.Wea
 def _memo_key(model: nn.Module, cut_stacks: bool) -> tuple | None:
     """What the default capture of ``model`` depends on, or None to capture afresh.
 
-    Module classes, parameter and buffer shapes, hooks and the config (attention
-    implementation included): a change to any of them changes the key."""
+    Module classes, parameter and buffer shapes, every module's plain attributes and
+    hooks, and the config (attention implementation included): a change to any of them
+    changes the key."""
     tensors = list(model.parameters()) + list(model.buffers())
     if not tensors or any(t.device.type != "meta" for t in tensors):
         return None
@@ -431,6 +432,31 @@ def _memo_key(model: nn.Module, cut_stacks: bool) -> tuple | None:
         to_json = getattr(config, "to_json_string", None)
         settings = (to_json(use_diff=False) if callable(to_json) else repr(config),
                     getattr(config, "_attn_implementation", None))
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     return (cut_stacks, structural_signature(model), tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
-            hooks, settings)
+            tuple(_module_state(m) for m in model.modules()), settings)
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.Size)
+
+
+def _module_state(module: nn.Module) -> tuple:
+    """A module's plain attributes as the forward may read them: scalar values (a head
+    count the fix-ups make rank-local), containers by content, the identity of anything
+    else (a patched method), and its hooks."""
+    out: list[Any] = [len(module._forward_hooks), len(module._forward_pre_hooks)]
+    for key, value in module.__dict__.items():
+        if key in ("_parameters", "_buffers", "_modules") or key.endswith("hooks"):
+            continue
+        out.append((key, _plain(value)))
+    return tuple(out)
+
+
+def _plain(value: Any, depth: int = 4) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    if depth and isinstance(value, tuple | list | set | frozenset):
+        items = [_plain(v, depth - 1) for v in value]
+        return (type(value).__name__, *(sorted(items, key=repr) if isinstance(value, set | frozenset) else items))
+    if depth and isinstance(value, dict):
+        return ("dict", *((repr(k), _plain(v, depth - 1)) for k, v in value.items()))
+    return id(value)

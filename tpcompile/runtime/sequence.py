@@ -274,11 +274,12 @@ def _sum_grads(module: nn.Module, names: list[str], st: _Stream, group: Any) -> 
         if not st.on:
             return
         for name in names:
-            p = mod._parameters[name]
-            # the backend swaps a DTensor for its local tensor and restores it itself;
-            # (isinstance(local, nn.Parameter) is no test: to_local keeps the flag)
-            if isinstance(p, DTensor) or type(p) is nn.Parameter:
-                mine[name] = p
+            # whatever is there (the parameter, or the backend's local tensor for it) goes
+            # back in ``post``, which runs before the backend's own restore: swaps undone
+            # in reverse order. (Deciding by the value's type instead failed compiled:
+            # dynamo's ``type()`` of a DTensor's local tensor says Parameter, and the step's
+            # autograd output stayed in place of the parameter.)
+            p = mine[name] = mod._parameters[name]
             local = p.to_local() if isinstance(p, DTensor) else p
             mod._parameters[name] = comm.all_reduce_grad(local, group)
 
@@ -288,4 +289,4 @@ def _sum_grads(module: nn.Module, names: list[str], st: _Stream, group: Any) -> 
             mod._parameters[name] = p
 
     module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post, always_call=True)
+    module.register_forward_hook(post, always_call=True, prepend=True)
