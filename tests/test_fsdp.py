@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 from dist import global_step, run_distributed
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tpcompile
@@ -72,6 +73,7 @@ def _case(rank: int, kwargs: dict) -> dict:
         "losses": _train(model),
         "mesh": tuple(model.tpcompile_mesh.shape),
         "strategy": cfg.sharding_strategy.value,
+        "fsdp": any(isinstance(m, FSDPModule) for m in model.modules()),
         "reshard": cfg.reshard_after_forward,
         "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
         "offload_stats": getattr(getattr(model, "tpcompile_offload", None), "stats", None),
@@ -155,6 +157,7 @@ def test_world4_layouts_match_single_process() -> None:
     _check(results, "shard_grad_op", (1, 2, 2), "SHARD_GRAD_OP")
     assert not results[0]["shard_grad_op"]["reshard"] and results[0]["full_shard"]["reshard"]
     _check(results, "checkpointed", (1, 2, 2), "FULL_SHARD")
+    assert all(r[name]["fsdp"] for r in results for name, _ in WORLD4)
 
 
 @pytest.mark.slow
@@ -165,6 +168,9 @@ def test_world2_layouts_match_single_process() -> None:
     _check(results, "rank0_weights", (1, 1, 2), "FULL_SHARD")
     _check(results, "offloaded", (1, 1, 2), "FULL_SHARD")
     assert results[0]["offloaded"]["offload_stats"].offloaded_bytes > 0
+    # one data-parallel rank: FSDP2 only where a policy needs it (offload, mixed precision)
+    fsdp = {name: results[0][name]["fsdp"] for name in ("tp_only", "rank0_weights", "no_shard", "offloaded", "bf16")}
+    assert fsdp == {"tp_only": False, "rank0_weights": False, "no_shard": True, "offloaded": True, "bf16": True}
     bf16 = results[0]["bf16"]["losses"]  # bf16 compute: close, not equal
     assert all(abs(a - b) < 0.05 * b for a, b in zip(bf16, _reference(), strict=True)), bf16
     for r in results:
