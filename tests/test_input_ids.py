@@ -9,7 +9,7 @@ the id and its position; the largest valid id still gives the unsplit model's lo
 ``from_pretrained`` refuse a degree that is not an integer >= 1 before anything is traced
 or read, and ``transform`` / ``parallelize`` of an already transformed model name its tp.
 Different prompts on the ranks of a TP group are refused in eval forwards and
-``generate()`` as in training.  A label outside the vocabulary that is not -100 is
+``generate()`` as in training (every ``generate()`` call, not only the first).  A label outside the vocabulary that is not -100 is
 refused by the default and the loss-parallel loss (the unsplit model's cross-entropy
 raises ``IndexError``), and ids are checked under sequence parallelism and with a LoRA
 adapter on the split embedding.
@@ -17,6 +17,7 @@ adapter on the split embedding.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -108,8 +109,17 @@ def _per_rank(rank: int, world: int) -> dict:
     model = tpcompile.transform(_model(), tp=world).eval()
     same = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(10))
     tokens = model.generate(same, max_new_tokens=2, do_sample=False)[0].tolist()
+    # every generate() compares its prompt, not only the first eval forwards: a later
+    # call with each rank's own prompt is refused too (and a deepcopy guards itself)
+    for _ in range(2):
+        model.generate(same, max_new_tokens=1, do_sample=False)
+    mine = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(20 + rank))
+    errors["later generate"] = refusal(lambda: model.generate(mine, max_new_tokens=1, do_sample=False))
+    copied = copy.deepcopy(model)
+    errors["copy generate"] = refusal(lambda: copied.generate(mine, max_new_tokens=1, do_sample=False))
     return {"errors": errors, "tokens": tokens, "want": _model().eval().generate(same, max_new_tokens=2,
-                                                                                do_sample=False)[0].tolist()}
+                                                                                do_sample=False)[0].tolist(),
+            "copy_tokens": copied.generate(same, max_new_tokens=2, do_sample=False)[0].tolist()}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +133,7 @@ def test_different_prompts_per_tp_rank_are_refused_in_eval_and_generate(world2: 
     for r in world2["per_rank"]:
         for name, text in r["errors"].items():
             assert text is not None and "different batches" in text, (name, text)
-        assert r["tokens"] == r["want"], r
+        assert r["tokens"] == r["want"] == r["copy_tokens"], r
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ different prompts per rank generate garbage).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -67,6 +68,37 @@ def mark_model(model: nn.Module) -> None:
             config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=rep)
     if tp > 1 and not hasattr(model, "_tpcompile_input_guard"):
         model._tpcompile_input_guard = model.register_forward_pre_hook(_InputGuard(), with_kwargs=True)
+        _guard_generate(model)
+
+
+def _guard_generate(model: nn.Module) -> None:
+    """Every ``generate()`` call compares its prompt over the TP group, not only the first
+    eval forwards: an evaluation script that hands each rank its own prompts on its third
+    call would otherwise decode each rank's own mix of shards silently.  Generation
+    synchronises the host every token already, so one more small all-gather per call
+    costs nothing that shows.  Bound as a method, so a ``deepcopy`` of the model (TRL's
+    reference model) guards the copy."""
+    if not callable(getattr(model, "generate", None)):
+        return
+    inner = model.__dict__.get("generate")  # a wrapper already set on the instance (FSDP2's root)
+    if inner is not None:
+        model._tpcompile_inner_generate = inner
+    model.generate = types.MethodType(_guarded_generate, model)
+
+
+def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    tensors = [t for t in (*args, *kwargs.values())
+               if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+    if tensors and dist.is_initialized():
+        differ = differing_ranks(tensors, _tp_group(self))
+        if differ:
+            raise TPError(
+                f"generate(): the ranks of a tensor-parallel group received different batches of prompts (TP-group ranks "
+                f"{differ} differ from its first rank), which would decode a mix of each rank's shards; every "
+                "rank of a TP group must generate from the same inputs (give the TP ranks one prompt batch, e.g. "
+                "the slice tpcompile.data_parallel_rank(model) names)")
+    inner = self.__dict__.get("_tpcompile_inner_generate")
+    return inner(*args, **kwargs) if inner is not None else type(self).generate(self, *args, **kwargs)
 
 
 class _InputGuard:
