@@ -271,3 +271,24 @@ def test_cost_rejects_half_a_token_count() -> None:
     plan = tpcompile.plan_model(model, 2)
     with pytest.raises(TPError, match="both batch and seq"):
         estimate_cost(model, plan, batch=2)
+
+
+def test_the_cost_section_reads_the_plans_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning a meta model traces it once (and its localized copy once); the cost
+    section, with and without tokens, traces nothing more (dump-plan paid a third trace)."""
+    from tpcompile.capture import export
+
+    traced: list[str] = []
+    real = export._export
+
+    def counting(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        traced.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(export, "_export", counting)
+    model = _build("llama", {}, meta=True)
+    plan = tpcompile.plan_model(model, 2)
+    planned = len(traced)
+    estimate_cost(model, plan)
+    estimate_cost(model, plan, batch=BATCH, seq=SEQ)
+    assert planned >= 1 and len(traced) == planned, traced
