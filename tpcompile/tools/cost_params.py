@@ -165,9 +165,12 @@ def eval_step(issues: list[Issue], tokens: int | None, per_step: dict[str, dict[
 
 def input_guard(tp: int, cp: int) -> dict[str, Any]:
     """What the input guard adds: in the first forwards in training and again in eval
-    mode (an evaluation loop, ``generate()``'s prompt), every TP and CP group all-gathers
-    a checksum of each integer input tensor (ids and labels: two)."""
+    mode (an evaluation loop), every TP and CP group all-gathers a checksum of each
+    integer input tensor (ids and labels: two); every ``generate()`` call compares its
+    prompt over the TP group once more (``generate``: per integer input, e.g. ids and
+    attention mask)."""
     groups = [g for g, n in (("tp", tp), ("cp", cp)) if n > 1]
     return {"forwards": GUARDED_FORWARDS if groups else 0, "groups": groups,
             "all_gather": {"count": len(groups), "bytes": len(groups) * 2 * CHECKSUM_BYTES,
-                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES}}
+                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES},
+            "generate": {"count": int(tp > 1), "bytes_per_input": CHECKSUM_BYTES if tp > 1 else 0}}

@@ -116,6 +116,10 @@ def render_eval(cost: dict[str, Any]) -> str:
         line += (f"; input guard: the first {guard['forwards']} training and {guard['forwards']} eval forwards add "
                  f"{g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: checksums of ids "
                  "and labels)")
+        gen = guard.get("generate", {})
+        if gen.get("count"):
+            line += (f", and every generate() call {gen['count']} all_gather of {gen['bytes_per_input']} B per "
+                     "integer input (tp group: the prompt)")
     return line
 
 
