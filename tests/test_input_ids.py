@@ -9,7 +9,8 @@ the id and its position; the largest valid id still gives the unsplit model's lo
 ``from_pretrained`` refuse a degree that is not an integer >= 1 before anything is traced
 or read, and ``transform`` / ``parallelize`` of an already transformed model name its tp.
 Different prompts on the ranks of a TP group are refused in eval forwards and
-``generate()`` as in training (every ``generate()`` call, not only the first).  A label outside the vocabulary that is not -100 is
+``generate()`` as in training (every ``generate()`` call, and the first forwards of every
+evaluation, not only the model's first).  A label outside the vocabulary that is not -100 is
 refused by the default and the loss-parallel loss (the unsplit model's cross-entropy
 raises ``IndexError``), and ids are checked under sequence parallelism and with a LoRA
 adapter on the split embedding.
@@ -115,6 +116,15 @@ def _per_rank(rank: int, world: int) -> dict:
         model.generate(same, max_new_tokens=1, do_sample=False)
     mine = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(20 + rank))
     errors["later generate"] = refusal(lambda: model.generate(mine, max_new_tokens=1, do_sample=False))
+    # each evaluation is checked anew: after a training forward, an eval forward with each
+    # rank's own ids is refused although earlier eval forwards were checked already
+    model.eval()
+    for _ in range(3):
+        model(same)
+    model.train()
+    model(same)
+    model.eval()
+    errors["later evaluation"] = refusal(lambda: model(mine))
     copied = copy.deepcopy(model)
     errors["copy generate"] = refusal(lambda: copied.generate(mine, max_new_tokens=1, do_sample=False))
     return {"errors": errors, "tokens": tokens, "want": _model().eval().generate(same, max_new_tokens=2,

@@ -80,6 +80,7 @@ class ContextParallel:
         self.paths: Counter[str] = Counter()  # eager attention calls per core ("blocks" / "mask")
         # forwards whose batch is compared over the group, in training and in eval mode each
         self.checks_left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}
+        self.checked_mode: bool | None = None
 
     def index(self, length: int, rank: int, device: torch.device) -> torch.Tensor:
         """The positions rank ``rank`` holds of a padded length: chunks r and 2cp-1-r."""
@@ -155,8 +156,10 @@ class ContextParallel:
     def _same_batch(self, ids: torch.Tensor, labels: torch.Tensor | None, training: bool) -> None:
         """Every rank of the group must hold the same sequences (a loader that shards by
         process would train a silently wrong model, an evaluation loop would report a wrong
-        loss): compared in the first training and the first eval forwards, one small
-        all-gather each."""
+        loss): compared in the first forwards after every switch between training and eval
+        mode, one small all-gather each."""
+        if training != self.checked_mode:  # each evaluation (and the training after it) anew
+            self.checked_mode, self.checks_left[training] = training, GUARDED_FORWARDS
         if self.checks_left[training] <= 0:
             return
         self.checks_left[training] -= 1

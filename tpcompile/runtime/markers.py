@@ -7,7 +7,8 @@ sharded parameters, lets every rank into ``save_pretrained`` and defers FSDP2's 
 sync during gradient accumulation) and ``config.distributed_config`` (the tp / FSDP /
 replica degrees; never serialized into ``config.json``).  It also installs a guard that
 raises a :class:`~tpcompile.errors.TPError` if the ranks of a TP group receive different
-batches in their first training or eval forwards (tensor parallelism needs identical
+batches in the first forwards of training and of every evaluation, or different prompts
+in any ``generate()`` call (tensor parallelism needs identical
 inputs; without the guard a mis-sharded loader trains a silently wrong model, and
 different prompts per rank generate garbage).
 """
@@ -26,8 +27,8 @@ from ..errors import TPError
 
 __all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "differing_ranks", "input_checksum", "mark_model", "mesh_degrees"]
 
-# forwards whose inputs are compared across the TP (and CP) group, in training and in eval
-# mode each (the first eval forward of generate() is its prompt)
+# forwards whose inputs are compared across the TP (and CP) group after every switch between
+# training and eval mode (generate() compares its prompt at every call besides)
 GUARDED_FORWARDS = 2
 CHECKSUM_BYTES = 3 * 8  # input_checksum: three int64 per integer input tensor
 
@@ -102,16 +103,20 @@ def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 class _InputGuard:
-    """Forward pre-hook: in the first training forwards and the first eval forwards (an
-    evaluation loop, ``generate()``'s prompt), every rank of the TP group must hold the
-    same integer inputs (token ids, labels).  One all-gather of a few int64 checksums per
-    checked forward; afterwards it costs nothing."""
+    """Forward pre-hook: in the first forwards after every switch between training and
+    eval mode (an evaluation loop's first batches, each time it runs; the training steps
+    after it), every rank of the TP group must hold the same integer inputs (token ids,
+    labels).  One all-gather of a few int64 checksums per checked forward; the steps in
+    between cost nothing."""
 
     def __init__(self) -> None:
         self.left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}  # by model.training
+        self.mode: bool | None = None
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         mode = bool(model.training)
+        if mode != self.mode:  # each evaluation (and the training after it) is checked anew
+            self.mode, self.left[mode] = mode, GUARDED_FORWARDS
         if self.left[mode] <= 0 or not dist.is_initialized():
             return
         self.left[mode] -= 1

@@ -113,7 +113,8 @@ def render_eval(cost: dict[str, Any]) -> str:
     line = f"eval step (forward only): with labels {_ops(ev['labels'], tokens)}; without {_ops(ev['no_labels'], tokens)}"
     if guard["forwards"]:
         g = guard["all_gather"]
-        line += (f"; input guard: the first {guard['forwards']} training and {guard['forwards']} eval forwards add "
+        line += (f"; input guard: the first {guard['forwards']} forwards after each switch between training and eval "
+                 "mode add "
                  f"{g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: checksums of ids "
                  "and labels)")
         gen = guard.get("generate", {})
