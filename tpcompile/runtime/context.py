@@ -46,7 +46,7 @@ from ..errors import TPError
 from ..plan.context import attention_configs
 from . import comm
 from .context_attention import block_attention, block_layout, eager_attention
-from .markers import GUARDED_FORWARDS, differing_ranks
+from .markers import GuardWindow, differing_ranks
 
 __all__ = ["ContextParallel", "cp_attention", "gather_sequence", "install_context_parallel"]
 
@@ -78,9 +78,7 @@ class ContextParallel:
         # runs as blocks, without the [s_local, S] mask
         self.plain = False
         self.paths: Counter[str] = Counter()  # eager attention calls per core ("blocks" / "mask")
-        # forwards whose batch is compared over the group, in training and in eval mode each
-        self.checks_left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}
-        self.checked_mode: bool | None = None
+        self.window = GuardWindow()  # forwards whose batch is compared over the group
 
     def index(self, length: int, rank: int, device: torch.device) -> torch.Tensor:
         """The positions rank ``rank`` holds of a padded length: chunks r and 2cp-1-r."""
@@ -158,11 +156,8 @@ class ContextParallel:
         process would train a silently wrong model, an evaluation loop would report a wrong
         loss): compared in the first forwards after every switch between training and eval
         mode, one small all-gather each."""
-        if training != self.checked_mode:  # each evaluation (and the training after it) anew
-            self.checked_mode, self.checks_left[training] = training, GUARDED_FORWARDS
-        if self.checks_left[training] <= 0:
+        if not self.window.due(training):
             return
-        self.checks_left[training] -= 1
         if differing_ranks([t for t in (ids, labels) if t is not None], self.group):
             raise TPError("the ranks of a context-parallel group received different batches: every rank of a CP "
                           "group must be handed the same whole sequences (the model splits them itself); load "

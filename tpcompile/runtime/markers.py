@@ -16,6 +16,7 @@ different prompts per rank generate garbage).
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 
-__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "differing_ranks", "input_checksum", "mark_model", "mesh_degrees"]
+__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "GuardWindow", "differing_ranks", "input_checksum", "integer_inputs",
+           "mark_model", "mesh_degrees"]
 
 # forwards whose inputs are compared across the TP (and CP) group after every switch between
 # training and eval mode (generate() compares its prompt at every call besides)
@@ -88,8 +90,7 @@ def _guard_generate(model: nn.Module) -> None:
 
 
 def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    tensors = [t for t in (*args, *kwargs.values())
-               if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+    tensors = integer_inputs((*args, *kwargs.values()))
     if tensors and dist.is_initialized():
         differ = differing_ranks(tensors, _tp_group(self))
         if differ:
@@ -110,18 +111,12 @@ class _InputGuard:
     between cost nothing."""
 
     def __init__(self) -> None:
-        self.left = {True: GUARDED_FORWARDS, False: GUARDED_FORWARDS}  # by model.training
-        self.mode: bool | None = None
+        self.window = GuardWindow()
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        mode = bool(model.training)
-        if mode != self.mode:  # each evaluation (and the training after it) is checked anew
-            self.mode, self.left[mode] = mode, GUARDED_FORWARDS
-        if self.left[mode] <= 0 or not dist.is_initialized():
+        if not dist.is_initialized() or not self.window.due(bool(model.training)):
             return
-        self.left[mode] -= 1
-        tensors = [t for t in (*args, *kwargs.values())
-                   if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+        tensors = integer_inputs((*args, *kwargs.values()))
         if not tensors:
             return
         differ = differing_ranks(tensors, _tp_group(model))
@@ -133,6 +128,30 @@ class _InputGuard:
                 "Trainer; do not remove it); with accelerate use "
                 "tpcompile.integrations.prepare(accelerator, model, ...); in your own loop give each rank the "
                 "slice tpcompile.data_parallel_rank(model) names")
+
+
+class GuardWindow:
+    """Which forwards compare their batch over a group: the first ``GUARDED_FORWARDS``
+    after every switch between training and eval mode (so each evaluation, and the
+    training after it, is checked anew; the steps in between cost nothing)."""
+
+    def __init__(self) -> None:
+        self.mode: bool | None = None
+        self.left = 0
+
+    def due(self, training: bool) -> bool:
+        if training != self.mode:
+            self.mode, self.left = training, GUARDED_FORWARDS
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+def integer_inputs(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The non-empty integer tensors among ``values`` (ids, labels, masks): what the
+    input guards compare."""
+    return [t for t in values if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
 
 
 def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:

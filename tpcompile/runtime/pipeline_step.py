@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import TPError
 from ..plan.stages import SCHEDULES
 from .loss import check_labels
-from .markers import differing_ranks
+from .markers import differing_ranks, integer_inputs
 from .pipeline import PipelineRun, shape_key, sum_tied_gradients
 from .torch_backend import check_ids
 
@@ -112,7 +112,7 @@ def _check_batch(run: PipelineRun, model: nn.Module, batch: dict[str, Any]) -> N
     if run.batch_checks <= 0:
         return
     run.batch_checks -= 1
-    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.numel()]
+    tensors = integer_inputs(batch.values())
     if not tensors:
         return
     differ = differing_ranks(tensors, run.pp_mesh.get_group())

@@ -114,11 +114,10 @@ def render_eval(cost: dict[str, Any]) -> str:
     if guard["forwards"]:
         g = guard["all_gather"]
         line += (f"; input guard: the first {guard['forwards']} forwards after each switch between training and eval "
-                 "mode add "
-                 f"{g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: checksums of ids "
-                 "and labels)")
-        gen = guard.get("generate", {})
-        if gen.get("count"):
+                 f"mode add {g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: "
+                 "checksums of ids and labels)")
+        gen = guard["generate"]
+        if gen["count"]:
             line += (f", and every generate() call {gen['count']} all_gather of {gen['bytes_per_input']} B per "
                      "integer input (tp group: the prompt)")
     return line
