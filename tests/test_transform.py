@@ -108,7 +108,8 @@ def _cases(world: int) -> dict[str, tuple]:
     cases.update({_case(*c): (_equivalence, *c) for c in CASES if c[1] == world})
     if world == 2:
         cases.update({"generate": (_generate,), "loss_parallel": (_loss_parallel,),
-                      "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,)})
+                      "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
+                      "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True)})
     return cases
 
 
@@ -221,6 +222,52 @@ def _foreach_step(rank: int, world: int) -> float:
 def test_foreach_optimizer_and_grad_clipping_work(world2: CaseResults) -> None:
     # GPU optimizers default to foreach kernels, which reject a mix of DTensors and tensors
     assert max(world2["foreach"]) < TOL
+
+
+class _NormedEmbedding(torch.nn.Embedding):
+    """An embedding whose forward goes on after the lookup (Inkling's normed embedding):
+    a LayerNorm with a bias, or (``mix``) a running sum over the positions first."""
+
+    def __init__(self, rows: int, width: int, mix: bool) -> None:
+        super().__init__(rows, width)
+        self.norm, self.mix = torch.nn.LayerNorm(width), mix
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return self.norm(rows.cumsum(1) if self.mix else rows)
+
+
+def _embedding_tail(rank: int, world: int, mix: bool) -> dict:
+    ref = _build("llama", {})
+    table = ref.model.embed_tokens.weight
+    tail = _NormedEmbedding(*table.shape, mix)
+    with torch.no_grad():
+        tail.weight.copy_(table)
+        tail.norm.bias.normal_(generator=torch.Generator().manual_seed(2))
+    ref.model.embed_tokens = tail
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    out_ref = ref(ids, labels=ids)
+    out_ref.loss.backward()
+    tpcompile.transform(model, tp=world)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return {"loss": (out.loss - out_ref.loss).abs().item(), "grads": grad_errors(model, ref, world),
+            "table": model.tpcompile_plan.params["model.embed_tokens.weight"].role.value,
+            "norm": model.tpcompile_plan.params["model.embed_tokens.norm.weight"].role.value}
+
+
+def test_embedding_forward_after_its_lookup_is_exact(world2: CaseResults) -> None:
+    # a row-wise tail (a norm) keeps the table vocab-parallel; the norm's parameters see
+    # only each rank's tokens, so their gradients are summed (they were silently partial)
+    for got in world2["embedding_tail"]:
+        assert got["loss"] < TOL and max(got["grads"].values()) < TOL, got
+        assert (got["table"], got["norm"]) == ("vocab_embedding", "replicated_grad_allreduce")
+    # a tail mixing positions would spread the masked rows before they are zeroed: the
+    # table stays whole (it computed a different loss)
+    for got in world2["embedding_tail_mixing"]:
+        assert got["loss"] < TOL and max(got["grads"].values()) < TOL, got
+        assert got["table"] == "replicated"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "llama"])

@@ -27,6 +27,7 @@ from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
 from .gradients import along, rank_of, unsummed_gradients, varies
+from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
 from .reentry import Reentry, find_reentry
@@ -341,6 +342,12 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray, why: dict) -
             key = (e.fqn, an.atoms.by_key_of(e.atoms))
             new.add(key)
             _because(why, {key}, f"looked up inside its owner's forward ({e.module or '<root>'})")
+        elif (mixes := tail_mixes(an, e)) is not None:
+            # the masked rows are zeroed where the module returns: code after the lookup
+            # that mixes tokens would spread them first
+            key = (e.fqn, an.atoms.by_key_of(e.atoms))
+            new.add(key)
+            _because(why, {key}, f"{e.module}'s forward goes on after the lookup: {mixes}")
     if new:
         return new
     out_set = set(np.unique(outputs[outputs >= 0]).tolist())
@@ -533,6 +540,8 @@ def _assign(a: Analyzed, outputs: np.ndarray) -> None:
             a.embedding.setdefault(e.fqn, [])
             if e.module not in a.embedding[e.fqn]:  # a shared table looked up by several modules
                 a.embedding[e.fqn].append(e.module)
+            # what the module computes from each rank's masked rows holds partial gradients
+            a.grad_allreduce |= tail_params(an, e)
     for fqn in list(a.grad_allreduce):
         if fqn in a.layouts:
             a.grad_allreduce.discard(fqn)
