@@ -110,6 +110,12 @@ _POINTWISE_OPS = [
     aten.gelu_, aten.mul_, aten.add_, aten.div_, aten.sub_, aten.tanh_, aten.relu_,
     aten.isnan, aten.isinf, aten.nan_to_num, aten.lerp, aten.addcmul, aten.addcdiv,
     aten.fmod, aten.remainder, aten.__and__, aten.__or__, aten.atan, aten.log_sigmoid,
+    # in-place forms (older code: XLM's ``scores.masked_fill_(mask, -inf)``); the write
+    # through a view is followed by the engine for every rule
+    aten.masked_fill_, aten.clamp_, aten.clamp_min_, aten.clamp_max_, aten.exp_, aten.neg_,
+    aten.sigmoid_, aten.silu_, aten.pow_, aten.sqrt_, aten.rsqrt_, aten.abs_, aten.reciprocal_,
+    aten.floor_, aten.erf_, aten.log_, aten.elu_, aten.leaky_relu_, aten.hardtanh_,
+    aten.nan_to_num_, aten.lerp_, aten.addcmul_, aten.addcdiv_,
 ]
 
 

@@ -291,6 +291,42 @@ def slice_(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.take(atoms, slice_indices(node.args[2:5], an.shape(src)[dim]), axis=dim))
 
 
+@rule(aten.unfold)
+def unfold(an: Analysis, node: torch.fx.Node) -> object:
+    """Sliding windows along ``dim`` (a short causal convolution written as
+    ``x.unfold(seq, k, 1)``): each window is a new last dim of positions, so features
+    along every other dim keep their place; windows across the features would mix them."""
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v  # linear: each window of a partial sum is a partial sum
+    atoms = _atoms(an, src)
+    if atoms is None:
+        return None
+    dim = node.args[1] % max(atoms.ndim, 1)
+    if atoms.shape[dim] > 1:
+        an.poison_node(node, f"unfold windows across split features (dim {dim})", v)
+        return None
+    return an.feat(np.expand_dims(atoms, -1))
+
+
+@rule(aten.flip)
+def flip(an: Analysis, node: torch.fx.Node) -> object:
+    """Reversed positions (a causal convolution's taps read backwards): features along
+    the other dims keep their place; reversing the features would deal them anew."""
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v
+    atoms = _atoms(an, src)
+    if atoms is None:
+        return None
+    if any(atoms.shape[d % atoms.ndim] > 1 for d in node.args[1]):
+        an.poison_node(node, "flip reverses split features", v)
+        return None
+    return Feat(atoms)
+
+
 @rule(aten.select)
 def select(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
@@ -349,9 +385,11 @@ def getitem(an: Analysis, node: torch.fx.Node) -> object:
 
 @rule(aten.cat, aten.concat, aten.concatenate, aten.stack)
 def cat(an: Analysis, node: torch.fx.Node) -> object:
-    tensors = list(node.args[0])
     nd = an.ndim(node)
     packet = getattr(node.target, "overloadpacket", node.target)
+    # torch.cat skips a 1-D empty piece beside pieces of any rank (XLM's cache of no
+    # earlier tokens): it holds nothing, so it takes no part
+    tensors = [t for t in node.args[0] if packet is aten.stack or nd == 1 or an.shape(t) != (0,)]
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % nd
     vals = [an.val(t) for t in tensors]
     if any(isinstance(v, Partial) for v in vals):
@@ -398,4 +436,4 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
 
 
 SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze,
-               slice_, select, split, getitem, cat, view_as_complex, view_as_real]
+               slice_, select, unfold, flip, split, getitem, cat, view_as_complex, view_as_real]

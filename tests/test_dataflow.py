@@ -97,10 +97,77 @@ def _blorp(rank: int, world: int) -> tuple[float, float]:
     return (got - want).abs().max().item(), max(grad_errors(model, ref, world).values())
 
 
+class Wobble(nn.Module):
+    """A short causal convolution over positions as older code writes it: windows by
+    ``unfold``, taps read backwards by ``flip``, an in-place ``masked_fill_``, and a
+    ``cat`` with an empty 1-D piece (XLM's cache of no earlier tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
+        self.taps = nn.Parameter(torch.randn(2 * HIDDEN, 3))
+        self.down = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        h = self.up(x).masked_fill_(~keep, 0.0)
+        h = torch.cat([torch.zeros(0, device=h.device), h], dim=1)  # [B, S, C]
+        windows = F.pad(h.transpose(1, 2), (2, 0)).unfold(-1, 3, 1)  # [B, C, S, 3]
+        h = (windows.flip(-1) * self.taps[None, :, None]).sum(-1).transpose(1, 2)
+        return x + self.down(F.silu(h))
+
+
+class Wobbles(nn.Module):
+    """Its blocks walked beside a per-layer list (Ergo's ``zip(config.layer_types,
+    self.layers, strict=True)``): a capture cut to one block cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Embedding(VOCAB, HIDDEN)
+        self.kinds = ["short_conv"] * 3
+        self.s = nn.ModuleList([Wobble() for _ in self.kinds])
+        self.h = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x, keep = self.t(input_ids), (input_ids > 3)[..., None]
+        for _kind, blk in zip(self.kinds, self.s, strict=True):
+            x = blk(x, keep)
+        return self.h(x)
+
+
+def test_positional_windows_split_by_channels_and_uncuttable_stacks_are_traced_whole() -> None:
+    from tpcompile.capture import capture
+
+    with torch.device("meta"):
+        model = Wobbles()
+    assert capture(model).stacks.members == {}  # traced whole once the cut one failed
+    plan = tpcompile.plan_model(model, tp=2)
+    for i in range(3):
+        assert plan.params[f"s.{i}.up.weight"].role is Role.COLUMN
+        assert plan.params[f"s.{i}.taps"].role is Role.SHARDED
+        assert plan.params[f"s.{i}.down.weight"].role is Role.ROW
+
+
+def _wobbles(rank: int, world: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    ref = Wobbles()
+    model = copy.deepcopy(ref)
+    tpcompile.transform(model, tp=world)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    want, got = ref(ids), model(ids)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    return (got - want).abs().max().item(), max(grad_errors(model, ref, world).values())
+
+
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
     """This module's multi-process cases, in one launch."""
-    return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,)})
+    return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,), "wobbles": (_wobbles,)})
+
+
+def test_positional_windows_exact_outputs_and_grads(world2: CaseResults) -> None:
+    for out_err, grad_err in world2["wobbles"]:
+        assert out_err < 1e-5 and grad_err < 1e-5
 
 
 @pytest.mark.slow
