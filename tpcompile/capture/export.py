@@ -382,8 +382,18 @@ def capture(
     was_training = model.training
     model.eval()  # dropout off: it would only add noise nodes to the graph
     try:
-        with _truncated(model, stacks), torch.no_grad():
-            ep = _export(model, example_args, example_kwargs or {}, preserve)
+        try:
+            with _truncated(model, stacks), torch.no_grad():
+                ep = _export(model, example_args, example_kwargs or {}, preserve)
+        except Exception:
+            if not stacks:
+                raise
+            # a forward that walks the blocks beside a per-layer list (Ergo's
+            # ``zip(config.layer_types, self.layers, strict=True)``, XLM's per-layer
+            # norms indexed by block) cannot run cut: trace every block instead
+            stacks = {}
+            with torch.no_grad():
+                ep = _export(model, example_args, example_kwargs or {}, preserve)
     except Exception as err:
         raise RuntimeError(
             f"tpcompile could not capture {type(model).__name__} with torch.export "
