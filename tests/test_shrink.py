@@ -187,3 +187,19 @@ def test_per_layer_overrides_and_widths_follow_the_kept_layers() -> None:
     g3n = shrink_config(AutoConfig.for_model("gemma3n_text"), 2).to_dict()
     assert len(g3n["intermediate_size"]) == g3n["num_hidden_layers"] and max(g3n["intermediate_size"]) <= 256
     assert 0 < g3n["num_kv_shared_layers"] < g3n["num_hidden_layers"]
+
+
+def test_lists_one_per_layer_and_routing_aliases_follow() -> None:
+    """Bailing's per-layer SwiGLU limits are lists as long as the layers whatever their
+    name; its expert groups (``num_expert_group``) and top-k (``num_experts_per_token``)
+    are other names for DeepSeek's, and must fit the shrunk experts for it to run."""
+    real = AutoConfig.for_model("bailing_hybrid")
+    small = shrink_config(real, 2).to_dict()
+    layers = small["num_hidden_layers"]
+    assert len(small["expert_swiglu_limit_list"]) == len(small["share_expert_swiglu_limit_list"]) == layers
+    experts, groups = small["num_experts"], small["num_expert_group"]
+    assert experts % groups == 0 and experts // groups >= 2
+    assert small["num_experts_per_token"] <= small["topk_group"] * experts // groups
+    torch.manual_seed(0)
+    model = build_small_model(real, tp=2)
+    model(**_inputs(model, torch.Generator().manual_seed(1)))

@@ -52,8 +52,10 @@ _HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim")
 _FFN_KEYS = ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
              "ffn_hidden_size", "shared_expert_intermediate_size")
 _EXPERT_FFN_KEYS = ("moe_intermediate_size",)
+# the shortest list read as one entry per layer by its length alone
+_PER_LAYER_LENGTH = 6
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "original_max_position_embeddings",
                   "n_ctx")
 _LORA_KEYS = ("q_lora_rank", "kv_lora_rank")
@@ -135,8 +137,11 @@ def _per_layer_fields(data: dict[str, Any], layers: int) -> tuple[list[str], lis
     """Fields with one entry per layer (lists / pattern strings) and layer-index lists."""
     per_layer, indices = [], []
     for key, value in data.items():
+        # a list as long as the layers is one entry per layer whatever its name (Bailing's
+        # ``expert_swiglu_limit_list``) once that length cannot be a coincidence
+        named = "layer" in key or "pattern" in key or "block_type" in key or key in _FFN_KEYS
         if isinstance(value, (list, str)) and len(value) == layers and layers > 1 and (
-                "layer" in key or "pattern" in key or "block_type" in key or key in _FFN_KEYS):
+                named or isinstance(value, list) and layers >= _PER_LAYER_LENGTH):
             per_layer.append(key)
         elif ("layer" in key and isinstance(value, list) and value
               and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)):
@@ -343,6 +348,8 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
 # Mamba-2-style mixers: (heads, head width, expansion) under the names families use
 _SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
               ("n_mamba_heads", "mamba_headdim", "mamba_expand"), ("mamba_num_heads", "mamba_head_dim", "expand"))
+# the expert groups of group-limited routing (names are aliases of one another)
+_EXPERT_GROUP_KEYS = ("n_group", "num_expert_group")
 _SSM_GROUP_KEYS = ("n_groups", "mamba_n_groups", "mamba_ngroups")
 _SSM_STATE_KEYS = ("state_size", "mamba_d_state", "ssm_state_size")
 _SSM_CHUNK_KEYS = ("chunk_size", "mamba_chunk_size")
@@ -386,12 +393,12 @@ def _shrink_experts(data: dict[str, Any], new: dict[str, Any], tp: int) -> None:
     experts = new[expert_keys[0]] if expert_keys else None
     for key in _get(data, _TOP_K_KEYS):
         new[key] = min(data[key], _TOP_K, experts or data[key])
-    if experts and "n_group" in _get(data, ["n_group"]):
-        # Group-limited routing (DeepSeek): groups divide the experts, >= 2 experts each
-        # so the per-group top-2 score exists; top-k fits in the selected groups.
-        groups = max(g for g in range(1, min(data["n_group"], experts) + 1)
+    for group_key in _get(data, _EXPERT_GROUP_KEYS) if experts else ():
+        # Group-limited routing (DeepSeek, Bailing): groups divide the experts, >= 2
+        # experts each so the per-group top-2 score exists; top-k fits in the selected groups.
+        groups = max(g for g in range(1, min(data[group_key], experts) + 1)
                      if experts % g == 0 and experts // g >= 2) if experts >= 2 else 1
-        new["n_group"] = groups
+        new[group_key] = groups
         if "topk_group" in _get(data, ["topk_group"]):
             new["topk_group"] = min(data["topk_group"], groups)
             per_group = experts // groups
