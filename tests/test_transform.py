@@ -9,6 +9,7 @@ shards with the plan's own index map.  All cases of one world size run in one la
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -109,7 +110,8 @@ def _cases(world: int) -> dict[str, tuple]:
     if world == 2:
         cases.update({"generate": (_generate,), "loss_parallel": (_loss_parallel,),
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
-                      "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True)})
+                      "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
+                      "outside_read": (_outside_read,)})
     return cases
 
 
@@ -268,6 +270,46 @@ def test_embedding_forward_after_its_lookup_is_exact(world2: CaseResults) -> Non
     for got in world2["embedding_tail_mixing"]:
         assert got["loss"] < TOL and max(got["grads"].values()) < TOL, got
         assert got["table"] == "replicated"
+
+
+class _PadRow(torch.nn.Module):
+    """Reads its inner model's embedding table in its own code, outside the table's
+    module (Gemma 4's multimodal model: ``embed_tokens.weight[pad_id, :]`` replaces the
+    placeholder tokens' embeddings)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        table = self.inner.model.embed_tokens
+        pad = table.weight[0].view(1, 1, -1)
+        embeds = torch.where((input_ids < 8)[..., None], pad, table(input_ids))
+        return self.inner(inputs_embeds=embeds, labels=labels, use_cache=False)
+
+
+def _outside_read(rank: int, world: int) -> dict:
+    ref = _PadRow(_build("llama", {}))
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    out_ref = ref(ids, labels=ids)
+    out_ref.loss.backward()
+    tpcompile.transform(model, tp=world)
+    out = model(ids, labels=ids)  # crashed: the table was a DTensor outside its module
+    out.loss.backward()
+    plan = model.tpcompile_plan
+    return {"loss": (out.loss - out_ref.loss).abs().item(), "grads": grad_errors(model, ref, world),
+            "table": plan.params["inner.model.embed_tokens.weight"].role.value,
+            "scope": plan.params["inner.model.embed_tokens.weight"].scope,
+            "mlp": plan.params["inner.model.layers.0.mlp.up_proj.weight"].role.value}
+
+
+def test_a_parameter_read_outside_its_module_is_whole_and_local_there(world2: CaseResults) -> None:
+    for got in world2["outside_read"]:
+        assert got["loss"] < TOL and max(got["grads"].values()) < TOL, got
+        # whole (a read of one row would see another rank's rows), local for the whole
+        # forward of the module whose code reads it (here the root)
+        assert (got["table"], got["scope"], got["mlp"]) == ("replicated", "", "column")
 
 
 @pytest.mark.parametrize("family", ["mixtral", "llama"])

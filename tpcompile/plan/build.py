@@ -25,6 +25,7 @@ from ..analysis.entries import EntryPaths
 from ..analysis.fixups import find_fixups, graph_signature, verify_fixups
 from ..analysis.partition import param_layout
 from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
+from ..analysis.reads import read_outside
 from ..analysis.roles import Analyzed, analyze, key_matches
 from ..analysis.selfcheck import (
     Mismatch,
@@ -118,6 +119,10 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
     split_stats = True
 
     entry_paths = _entry_paths(model, example_inputs)
+    for fqn, reader in read_outside(cap.graph, cap.param_of_placeholder, _all_names(model)).items():
+        key = f"re:{re.escape(fqn)}"
+        forced.setdefault(key, "replicated")
+        reasons[key] = f"read outside its module's forward (in {reader or 'the model'}'s own code): kept whole for it"
 
     def run(cap: Capture) -> Analyzed:
         return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
@@ -358,9 +363,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
                fixups: dict[str, dict[str, list[int]]] | None = None) -> Plan:
     tp = a.part.tp
     plan = Plan(tp=tp, model_class=type(model).__name__, loss_parallel=loss_parallel, warnings=list(a.notes))
-    names_of: dict[int, list[str]] = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of[id(p)].append(name)
+    names_of = _all_names(model)
     modules: dict[str, ModulePlan] = {}
 
     def mod_plan(fqn: str) -> ModulePlan:
@@ -402,15 +405,13 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             rep_ops[m].pop(GatherOutput, None)
 
     encoded: dict[str, tuple[str, list]] = {}
-    scopes = _use_scopes(cap)
+    scopes = _use_scopes(cap, names_of)
     for name, p in model.named_parameters():
         rep = cap.stacks.representative(name)
-        aliases = [n for n in names_of[id(p)] if n != name]
+        aliases = [n for n in names_of[name] if n != name]
         # a tied parameter is traced under one of its names: look each of them up
-        key = next(
-            (r for r in (rep, *map(cap.stacks.representative, aliases)) if r in a.layouts or r in a.grad_allreduce),
-            rep,
-        )
+        traced = (rep, *map(cap.stacks.representative, aliases))
+        key = next((r for r in traced if r in a.layouts or r in a.grad_allreduce or r in a.why), rep)
         lay = a.layouts.get(key)
         lay = param_layout(lay) if lay is not None else None
         owner, _ = _owner(name)
@@ -438,9 +439,11 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases, expand=expand_runs,
         )
     for name, pp in plan.params.items():
-        up = scopes.get(cap.stacks.representative(name))
-        if up:  # same number of levels above the owner in every block of a stack
-            pp.scope = ".".join(name.split(".")[:-1 - up])
+        for n in [name, *pp.tied_to]:  # the name under which an outside read reaches it
+            up = scopes.get(cap.stacks.representative(n))
+            if up:  # same number of levels above the owner in every block of a stack
+                pp.scope = ".".join(n.split(".")[:-1 - up])
+                break
     for mname, _ in model.named_modules():
         rep = cap.stacks.representative(mname)
         for op in rep_ops.get(rep, {}).values():
@@ -456,19 +459,37 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     return plan
 
 
-def _use_scopes(cap: Capture) -> dict[str, int]:
-    """``{param fqn: levels}`` for parameters that code of an ancestor of their owner reads
-    directly: how many levels above the owner the outermost such reader sits."""
+def _all_names(model: nn.Module) -> dict[str, list[str]]:
+    """``{name: every name of that parameter}`` (tied parameters have several)."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    named = list(model.named_parameters(remove_duplicate=False))
+    for name, p in named:
+        by_id[id(p)].append(name)
+    return {name: by_id[id(p)] for name, p in named}
+
+
+def _use_scopes(cap: Capture, names_of: dict[str, list[str]]) -> dict[str, int]:
+    """``{parameter name: levels}`` for parameters that code outside their owner reads
+    directly: how many levels above the owner sits the innermost module whose forward
+    holds every such read (the reader where it is an ancestor, as Mamba's mixer reading
+    its conv's weight; else the reader's and the owner's common ancestor, as Gemma 4's
+    multimodal model reading its text model's table, traced under its tied name
+    ``lm_head.weight``).  ``names_of``: every name of each traced parameter."""
     out: dict[str, int] = {}
     for node in cap.graph.nodes:
         fqn = cap.param_of_placeholder.get(node.name) if node.op == "placeholder" else None
         if fqn is None:
             continue
-        owner = fqn.split(".")[:-1]
+        names = names_of.get(fqn, [fqn])
         for user in node.users:
-            path = innermost_module(user).split(".") if innermost_module(user) else []
-            if len(path) < len(owner) and owner[: len(path)] == path:
-                out[fqn] = max(out.get(fqn, 0), len(owner) - len(path))
+            reader = innermost_module(user).split(".") if innermost_module(user) else []
+            if any(reader[: len(o)] == o for o in (n.split(".")[:-1] for n in names)):
+                continue  # read in the forward of a module holding it (a tied name's owner)
+            for name in names:
+                owner = name.split(".")[:-1]
+                common = 0
+                while common < min(len(owner), len(reader)) and owner[common] == reader[common]:
+                    common += 1
+                if common < len(owner):
+                    out[name] = max(out.get(name, 0), len(owner) - common)
     return out
-
-

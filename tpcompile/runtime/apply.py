@@ -46,11 +46,16 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
                 local = old.detach() if pp.shard_dim is None else backend.local_shard(old.detach(), pp)
             new = backend.make_param(local, pp, old.requires_grad)
             done[id(old)] = new
-        for alias in [name, *pp.tied_to]:
+        names = [name, *pp.tied_to]
+        # the name under the module whose whole forward sees the local tensor (code outside
+        # the owner reads it), if any; every other name is swapped by its owner
+        under = None if pp.scope is None else next(
+            (n for n in names if not pp.scope or n.startswith(pp.scope + ".")), None)
+        for alias in names:
             am, ap = _owner(alias)
             mods[am]._parameters[ap] = new
-            if alias == name and pp.scope is not None:
-                scoped[pp.scope].append(name[len(pp.scope) + 1:] if pp.scope else name)
+            if alias == under:
+                scoped[pp.scope].append(alias[len(pp.scope) + 1:] if pp.scope else alias)
             else:
                 swaps[am].append(ap)
         del old
