@@ -60,8 +60,9 @@ def grad_errors(model: torch.nn.Module, ref: torch.nn.Module, tp: int) -> dict[s
     return errors
 
 
-def _equivalence(rank: int, world: int, name: str, tp: int, overrides: dict) -> dict:
-    ref = _build(name, overrides)
+def _transformed_step(ref: torch.nn.Module, tp: int) -> tuple[torch.nn.Module, Any, Any]:
+    """A copy of ``ref`` transformed at ``tp``, and both models' outputs of one forward
+    and backward on the same batch (labels = ids)."""
     model = copy.deepcopy(ref)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     out_ref = ref(ids, labels=ids)
@@ -69,6 +70,12 @@ def _equivalence(rank: int, world: int, name: str, tp: int, overrides: dict) -> 
     tpcompile.transform(model, tp=tp)
     out = model(ids, labels=ids)
     out.loss.backward()
+    return model, out, out_ref
+
+
+def _equivalence(rank: int, world: int, name: str, tp: int, overrides: dict) -> dict:
+    ref = _build(name, overrides)
+    model, out, out_ref = _transformed_step(ref, tp)
     roles = {p.role.value for p in model.tpcompile_plan.params.values()}
     return {
         "logits": (out.logits - out_ref.logits).abs().max().item(),
@@ -247,13 +254,7 @@ def _embedding_tail(rank: int, world: int, mix: bool) -> dict:
         tail.weight.copy_(table)
         tail.norm.bias.normal_(generator=torch.Generator().manual_seed(2))
     ref.model.embed_tokens = tail
-    model = copy.deepcopy(ref)
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
-    out_ref = ref(ids, labels=ids)
-    out_ref.loss.backward()
-    tpcompile.transform(model, tp=world)
-    out = model(ids, labels=ids)
-    out.loss.backward()
+    model, out, out_ref = _transformed_step(ref, world)
     return {"loss": (out.loss - out_ref.loss).abs().item(), "grads": grad_errors(model, ref, world),
             "table": model.tpcompile_plan.params["model.embed_tokens.weight"].role.value,
             "norm": model.tpcompile_plan.params["model.embed_tokens.norm.weight"].role.value}
@@ -290,13 +291,7 @@ class _PadRow(torch.nn.Module):
 
 def _outside_read(rank: int, world: int) -> dict:
     ref = _PadRow(_build("llama", {}))
-    model = copy.deepcopy(ref)
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
-    out_ref = ref(ids, labels=ids)
-    out_ref.loss.backward()
-    tpcompile.transform(model, tp=world)
-    out = model(ids, labels=ids)  # crashed: the table was a DTensor outside its module
-    out.loss.backward()
+    model, out, out_ref = _transformed_step(ref, world)  # crashed: the table was a DTensor outside its module
     plan = model.tpcompile_plan
     return {"loss": (out.loss - out_ref.loss).abs().item(), "grads": grad_errors(model, ref, world),
             "table": plan.params["inner.model.embed_tokens.weight"].role.value,

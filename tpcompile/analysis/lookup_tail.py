@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .propagate import Analysis, module_path
+from .propagate import Analysis, module_path, params_feeding
 from .state import EmbeddingUse
 from .tokens import Mixes, Tokens, propagate_tokens
 
@@ -68,17 +68,4 @@ def tail_params(an: Analysis, use: EmbeddingUse) -> set[str]:
     """The parameters (the table aside) the tail of ``use`` reads, through values not
     computed from the lookup (``1 + weight.float()`` as much as ``weight``)."""
     tail = _tail(use)
-    inside = {use.node, *tail}
-    out: set[str] = set()
-    seen: set[fx.Node] = set()
-    todo = [x for n in tail for x in n.all_input_nodes if x not in inside]
-    while todo:
-        x = todo.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        fqn = an._params.get(x.name) if x.op == "placeholder" else None
-        if fqn is not None and fqn != use.fqn:
-            out.add(fqn)
-        todo.extend(y for y in x.all_input_nodes if y not in inside)
-    return out
+    return params_feeding(tail, {use.node, *tail}, an._params) - {use.fqn}

@@ -14,7 +14,7 @@ for).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,23 @@ def innermost_module(node: fx.Node) -> str:
 def module_path(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     return [v[0] for v in stack.values()]
+
+
+def params_feeding(nodes: Iterable[fx.Node], skip: Container[fx.Node], params: dict[str, str]) -> set[str]:
+    """The parameters (``params``: placeholder name -> FQN) that reach ``nodes`` through
+    values not in ``skip`` (``1 + weight.float()`` as much as ``weight``)."""
+    out: set[str] = set()
+    seen: set[fx.Node] = set()
+    todo = [x for n in nodes for x in n.all_input_nodes if x not in skip]
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and x.name in params:
+            out.add(params[x.name])
+        todo.extend(y for y in x.all_input_nodes if y not in skip)
+    return out
 
 
 def slice_indices(bounds: Sequence[Any], size: int) -> list[int]:

@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..analysis.propagate import RuleSet, innermost_module, module_path
+from ..analysis.propagate import RuleSet, innermost_module, module_path, params_feeding
 from ..analysis.tokens import Mixes, Tokens, propagate_tokens
 from ..capture import Capture, LayerStacks, capture, layer_stacks
 from .sequence_types import (
@@ -216,7 +216,7 @@ def _plan_block(block: str, regions: list[str], cap: Capture, names: dict[str, f
                      for path, n in outs if n in tags]
     # parameters applied to token slices (norm weights): each rank's gradient covers its
     # tokens only, so it is summed over the group
-    grad_sum = sorted(_params_feeding([n for n in tags if _inside(n, block) and n not in region_nodes],
+    grad_sum = sorted(params_feeding([n for n in tags if _inside(n, block) and n not in region_nodes],
                                       tags, cap.param_of_placeholder))
     return {"stream": TokenSlot(path=stream[0][0], dim=tags[stream[0][1]].dim),
             "output": TokenSlot(path=out_paths[0][0], dim=out_paths[0][1].dim),
@@ -259,23 +259,6 @@ def _leaving_row(node: fx.Node, plan: Any) -> str | None:
     if mp is None or not mp.reduces or any(_inside(u, m) for u in node.users):
         return None
     return m
-
-
-def _params_feeding(nodes: list[fx.Node], tags: dict, params: dict[str, str]) -> set[str]:
-    """Parameters that reach ``nodes`` through values that carry no tokens
-    (``1 + weight.float()`` as much as ``weight``)."""
-    out: set[str] = set()
-    seen: set[fx.Node] = set()
-    todo = [x for n in nodes for x in n.all_input_nodes if x not in tags]
-    while todo:
-        x = todo.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        if x.op == "placeholder" and x.name in params:
-            out.add(params[x.name])
-        todo.extend(y for y in x.all_input_nodes if y not in tags)
-    return out
 
 
 def _reaches(src: fx.Node, dst: fx.Node, blocked: set[fx.Node]) -> bool:
