@@ -415,3 +415,18 @@ def test_a_meta_model_is_captured_once_until_it_changes() -> None:
     cap = capture(meta)
     meta.model.layers[0].self_attn.scaling = 0.5
     assert capture(meta) is not cap
+
+
+@pytest.mark.slow
+def test_the_analysis_settles_however_many_passes_it_takes() -> None:
+    # every pass but the last keeps one more block whole, so the passes are bounded by
+    # the blocks; HY-V4 takes 38 (a fixed cap of 12 refused it)
+    from transformers import AutoConfig
+
+    from tpcompile.tools.verify import build_small_model
+
+    torch.manual_seed(0)
+    model = build_small_model(AutoConfig.for_model("hy_v4"), tp=2, task="causal-lm")
+    plan = tpcompile.plan_model(model, tp=2)
+    assert plan.stats["analysis_passes"] > 12
+    assert any(p.role is Role.COLUMN for p in plan.params.values())

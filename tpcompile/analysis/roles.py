@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from ..errors import TPError
@@ -371,7 +372,7 @@ def analyze(
     buffer_of_placeholder: dict[str, str],
     strict: bool = True,
     overrides: dict[str, str] | None = None,
-    max_passes: int = 12,
+    max_passes: int | None = None,
     split_stats: bool = True,
     override_reasons: dict[str, str] | None = None,
     entry_paths: EntryPaths | None = None,
@@ -382,6 +383,12 @@ def analyze(
     user's override); ``entry_paths`` finds the forward argument that carries a value into
     a module (without it, no replicated value is sliced at a module's entry)."""
     all_params = set(param_of_placeholder.values())
+    if max_passes is None:
+        # every pass but the last keeps at least one more (parameter, dim) block whole, so
+        # an attempt ends within as many passes as there are blocks (HY-V4 takes 38)
+        held = {**param_of_placeholder, **buffer_of_placeholder}
+        max_passes = 2 + sum(n.meta["val"].dim() for n in graph.nodes if n.op == "placeholder"
+                             and n.name in held and isinstance(n.meta.get("val"), torch.Tensor))
     why: dict = {}
     for k, v in (overrides or {}).items():
         if v != "replicated":
