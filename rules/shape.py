@@ -291,40 +291,37 @@ def slice_(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.take(atoms, slice_indices(node.args[2:5], an.shape(src)[dim]), axis=dim))
 
 
+def _over_positions(an: Analysis, node: torch.fx.Node, dims: list[int], what: str) -> object:
+    """The input of an op that moves positions along ``dims`` (Partial sums pass: the op
+    is linear), its feature atoms when no feature lies along those dims, else ``None``
+    with the op refused as ``what``."""
+    v = an.val(node.args[0])
+    if isinstance(v, Partial):
+        return v
+    atoms = _atoms(an, node.args[0])
+    if atoms is None:
+        return None
+    if any(atoms.shape[d % max(atoms.ndim, 1)] > 1 for d in dims):
+        an.poison_node(node, what, v)
+        return None
+    return atoms
+
+
 @rule(aten.unfold)
 def unfold(an: Analysis, node: torch.fx.Node) -> object:
     """Sliding windows along ``dim`` (a short causal convolution written as
     ``x.unfold(seq, k, 1)``): each window is a new last dim of positions, so features
     along every other dim keep their place; windows across the features would mix them."""
-    src = node.args[0]
-    v = an.val(src)
-    if isinstance(v, Partial):
-        return v  # linear: each window of a partial sum is a partial sum
-    atoms = _atoms(an, src)
-    if atoms is None:
-        return None
-    dim = node.args[1] % max(atoms.ndim, 1)
-    if atoms.shape[dim] > 1:
-        an.poison_node(node, f"unfold windows across split features (dim {dim})", v)
-        return None
-    return an.feat(np.expand_dims(atoms, -1))
+    atoms = _over_positions(an, node, [node.args[1]], "unfold windows across split features")
+    return an.feat(np.expand_dims(atoms, -1)) if isinstance(atoms, np.ndarray) else atoms
 
 
 @rule(aten.flip)
 def flip(an: Analysis, node: torch.fx.Node) -> object:
     """Reversed positions (a causal convolution's taps read backwards): features along
     the other dims keep their place; reversing the features would deal them anew."""
-    src = node.args[0]
-    v = an.val(src)
-    if isinstance(v, Partial):
-        return v
-    atoms = _atoms(an, src)
-    if atoms is None:
-        return None
-    if any(atoms.shape[d % atoms.ndim] > 1 for d in node.args[1]):
-        an.poison_node(node, "flip reverses split features", v)
-        return None
-    return Feat(atoms)
+    atoms = _over_positions(an, node, list(node.args[1]), "flip reverses split features")
+    return Feat(atoms) if isinstance(atoms, np.ndarray) else atoms
 
 
 @rule(aten.select)
