@@ -166,6 +166,9 @@ def _add_verify(sub: Any) -> None:
                      help="pipeline parallelism: parallelize(tp=--tp, pp=PP) on tp x pp processes, one "
                      "pipeline_step; the loss, every gradient and every module's output (microbatches "
                      "joined) compared (default 1)")
+    ver.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                     help="the shrunk model's dtype; in float64 rounding moves results by ~1e-16, so "
+                     "with --tol 1e-10 a mismatch is the split's, not the summation order's (default float32)")
     # Test hook (see the README): perturb one module's output on one rank after transform.
     ver.add_argument("--inject-fault", metavar="MODULE", help=argparse.SUPPRESS)
     ver.set_defaults(handler=_cmd_verify)
@@ -484,7 +487,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     report = verify(config, tp=args.tp, task=task, tol=args.tol, layers=args.layers,
                     generate=not args.no_generate, attn=args.attn, fault=args.inject_fault,
-                    sequence_parallel=args.sequence_parallel, cp=args.cp, pp=args.pp)
+                    sequence_parallel=args.sequence_parallel, cp=args.cp, pp=args.pp, dtype=args.dtype)
     _write(json.dumps(report.to_dict(), indent=2) if args.format == "json" else render_report(report))
     return _EXIT_OK if report.ok else _EXIT_MISMATCH
 

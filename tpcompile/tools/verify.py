@@ -33,6 +33,7 @@ from .shrink import shrink_config
 
 __all__ = ["Check", "VerifyReport", "build_small_model", "render_report", "resolve_config", "verify"]
 
+DTYPES = ("float32", "float64")  # what verify builds the shrunk model in
 _SEED = 0
 _BATCH = 2
 _SEQ = 12  # longer than shrunk sliding windows (8), so windowed attention is exercised
@@ -77,6 +78,7 @@ class VerifyReport:
     tol: float
     cp: int = 1  # context parallelism (verify --cp): tp x cp processes
     pp: int = 1  # pipeline parallelism (verify --pp): tp x pp processes
+    dtype: str = "float32"
     config: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     forward: dict[str, Check | None] = field(default_factory=dict)  # per module; None: not comparable
@@ -176,15 +178,16 @@ def _model_class(config: PreTrainedConfig, task: str | None) -> type[nn.Module]:
 
 
 def build_small_model(config: PreTrainedConfig, *, tp: int, layers: int = 2, task: str | None = None,
-                      attn: str | None = None) -> nn.Module:
+                      attn: str | None = None, dtype: str = "float32") -> nn.Module:
     """The shrunk model ``verify`` checks: ``shrink_config(config, tp)`` instantiated
-    with the current torch seed, in eval mode (no dropout), float32; ``attn`` is the
+    with the current torch seed, in eval mode (no dropout), in ``dtype`` (float32, or
+    float64 to tell a real difference from a summation order's rounding); ``attn`` is the
     attention implementation (default: the model's own default)."""
     small = shrink_config(config, tp, layers=layers)
     cls = _model_class(small, task)
     kwargs = {"attn_implementation": attn} if attn else {}
     try:
-        model = cls._from_config(small, dtype=torch.float32, **kwargs)
+        model = cls._from_config(small, dtype=getattr(torch, dtype), **kwargs)
     except ValueError as exc:
         if attn and attn in str(exc) or "attention implementation" in str(exc):
             raise TPError(f"{cls.__name__} does not support attention {attn!r}; "
@@ -418,7 +421,8 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(_SEED)  # same seed on every rank: identical full weights
-    model = build_small_model(config, tp=world, layers=opts["layers"], task=task, attn=opts["attn"])
+    model = build_small_model(config, tp=world, layers=opts["layers"], task=task, attn=opts["attn"],
+                              dtype=opts.get("dtype", "float32"))
     ref = copy.deepcopy(model)
     batch = _inputs(ref, torch.Generator().manual_seed(_SEED + 1))
     names = [n for n, m in ref.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
@@ -491,7 +495,8 @@ def _merge(results: list[dict], tp: int, tol: float, cp: int = 1) -> VerifyRepor
 
 def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: float = 1e-5,
            layers: int = 2, generate: bool = True, attn: str | None = None,
-           fault: str | None = None, sequence_parallel: bool = False, cp: int = 1, pp: int = 1) -> VerifyReport:
+           fault: str | None = None, sequence_parallel: bool = False, cp: int = 1, pp: int = 1,
+           dtype: str = "float32") -> VerifyReport:
     """Check ``transform(tp=tp)`` of a shrunk copy of ``config``'s model on ``tp`` local
     CPU processes against the unsharded copy (with ``cp > 1``: ``parallelize(tp=tp,
     cp=cp)`` on ``tp x cp`` processes, :mod:`tpcompile.tools.verify_context`).
@@ -513,6 +518,9 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
         pp: pipeline parallelism: ``parallelize(tp, pp)`` on ``tp x pp`` processes, one
             ``pipeline_step``; the loss and every gradient compared
             (:mod:`tpcompile.tools.verify_pipeline`).
+        dtype: ``"float32"`` or ``"float64"``: in float64 an all-reduce's summation order
+            moves results by ~1e-16, so a difference above ``tol=1e-10`` is the split's,
+            not rounding's.
 
     Example:
         >>> report = verify(presets.build_config("llama"), tp=2)    # doctest: +SKIP
@@ -520,8 +528,10 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
         (True, [])
     """
     t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise TPError(f"verify dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     opts = {"layers": layers, "generate": generate, "attn": attn, "fault": fault,
-            "sequence_parallel": sequence_parallel}
+            "sequence_parallel": sequence_parallel, "dtype": dtype}
     worker: Callable[..., dict] = _worker
     if cp > 1 and pp > 1:
         raise TPError("verify checks one of --cp and --pp at a time")
@@ -540,6 +550,7 @@ def verify(config: PreTrainedConfig, *, tp: int, task: str | None = None, tol: f
     else:
         report = _merge(results, tp, tol, cp)
         report.pp = pp
+    report.dtype = dtype
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -558,7 +569,8 @@ def render_report(report: VerifyReport) -> str:
     ranks), then model outputs, generate and a summary line."""
     where = f"tp={report.tp}" + (f" x cp={report.cp}" if report.cp > 1 else "") + \
         (f" x pp={report.pp}" if report.pp > 1 else "")
-    head = f"verify {report.model_class} at {where} (shrunk copy; tol {report.tol:g}, abs or rel)"
+    dtype = "" if report.dtype == "float32" else f"{report.dtype}; "
+    head = f"verify {report.model_class} at {where} (shrunk copy; {dtype}tol {report.tol:g}, abs or rel)"
     if report.error:
         return f"{head}\n\nFAILED: {report.error}"
     tol = report.tol

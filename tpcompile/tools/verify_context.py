@@ -105,7 +105,8 @@ def cp_worker(rank: int, world: int, config: PreTrainedConfig, task: str | None,
     hf_logging.set_verbosity_error()
     tp, cp = opts["tp"], opts["cp"]
     torch.manual_seed(0)  # same seed on every rank: identical full weights
-    model = build_small_model(config, tp=tp, layers=opts["layers"], task=task, attn=opts["attn"])
+    model = build_small_model(config, tp=tp, layers=opts["layers"], task=task, attn=opts["attn"],
+                              dtype=opts.get("dtype", "float32"))
     ref = copy.deepcopy(model)
     batch = _inputs(ref, torch.Generator().manual_seed(1))
     names = [n for n, m in ref.named_modules() if n and any(True for _ in m.parameters(recurse=False))]

@@ -45,7 +45,8 @@ def pp_worker(rank: int, world: int, config: PreTrainedConfig, task: str | None,
     hf_logging.set_verbosity_error()
     tp, pp = opts["tp"], opts["pp"]
     torch.manual_seed(0)  # same seed on every rank: identical full weights
-    model = build_small_model(config, tp=tp, layers=max(opts["layers"], pp), task=task, attn=opts["attn"])
+    model = build_small_model(config, tp=tp, layers=max(opts["layers"], pp), task=task, attn=opts["attn"],
+                              dtype=opts.get("dtype", "float32"))
     ref = copy.deepcopy(model)
     batch = _inputs(ref, torch.Generator().manual_seed(1))
     result: dict[str, Any] = {"model_class": type(model).__name__, "config": model.config.to_diff_dict(),
