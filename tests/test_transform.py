@@ -118,7 +118,7 @@ def _cases(world: int) -> dict[str, tuple]:
         cases.update({"generate": (_generate,), "loss_parallel": (_loss_parallel,),
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
-                      "outside_read": (_outside_read,)})
+                      "outside_read": (_outside_read,), "gathered_head": (_gathered_head,)})
     return cases
 
 
@@ -305,6 +305,47 @@ def test_a_parameter_read_outside_its_module_is_whole_and_local_there(world2: Ca
         # whole (a read of one row would see another rank's rows), local for the whole
         # forward of the module whose code reads it (here the root)
         assert (got["table"], got["scope"], got["mlp"]) == ("replicated", "", "column")
+
+
+class _HeadRead(torch.nn.Module):
+    """Returns a projected hidden state and projects it once more (AIMv2's pooling head,
+    returned as ``pooler_output`` and read by ``visual_projection``): the first projection
+    is a head the runtime gathers, so the second reads it whole."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        width = inner.config.hidden_size
+        self.inner, self.head, self.proj = inner, torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        pooled = self.head(self.inner.model(input_ids).last_hidden_state)
+        return {"pooled": pooled, "embeds": self.proj(pooled)}
+
+
+def _gathered_head(rank: int, world: int) -> dict:
+    ref = _HeadRead(_build("llama", {}))
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def step(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+        out = m(ids)
+        (out["pooled"].square().mean() + out["embeds"].square().mean()).backward()
+        return out
+
+    want = step(ref)
+    tpcompile.transform(model, tp=world)  # refused before: the self-check saw proj take a split input
+    got = step(model)
+    roles = {k: model.tpcompile_plan.params[f"{k}.weight"].role.value
+             for k in ("head", "proj", "inner.model.layers.0.mlp.up_proj")}
+    return {"out": max((got[k] - want[k]).abs().max().item() for k in want),
+            "grads": grad_errors(model, ref, world), "roles": roles}
+
+
+def test_a_head_the_model_returns_and_reads_on_is_whole_for_its_reader(world2: CaseResults) -> None:
+    for got in world2["gathered_head"]:
+        assert got["out"] < TOL and max(got["grads"].values()) < TOL, got
+        # the head whole; its reader, whose output is returned too, is now the gathered head
+        assert got["roles"] == {"head": "replicated", "proj": "lm_head", "inner.model.layers.0.mlp.up_proj": "column"}
 
 
 @pytest.mark.parametrize("family", ["mixtral", "llama"])

@@ -28,6 +28,7 @@ from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
 from .gradients import along, rank_of, unsummed_gradients, varies
+from .heads import readers_of_gathered_heads
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
@@ -518,6 +519,8 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
             seen = len(notes)
             new = _gradient_checks(a, strict, stat_blocks) - forced
             _because(why, new, "; ".join(notes[seen:]) or "a partial gradient nothing sums")
+        if not new and not a.retie:
+            new = _gathered_head_readers(a, outputs, forced, why, notes)
         if a.retie:
             return None, a.retie, n_pass
         if not new:
@@ -525,6 +528,23 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
             return a, set(), n_pass
         forced |= new
     raise TPError(f"analysis did not converge in {max_passes} passes (forced: {sorted(forced)})")
+
+
+def _gathered_head_readers(a: Analyzed, outputs: np.ndarray, forced: set, why: dict, notes: list[str]) -> set:
+    """The regions where a row reads a head's output that the runtime gathers whole
+    (:mod:`.heads`): kept whole, head and reader, with the reason."""
+    new: set = set()
+    readers = readers_of_gathered_heads(a, outputs)
+    for r in a.an.rows:
+        if r.fqn in readers:
+            reason = (f"{r.module} reads the output of {readers[r.fqn]}, which the model also returns whole "
+                      "(gathered there): a row cannot take it split")
+            blocks = _region_blocks(a.part, a.an, r.atoms) - forced
+            if blocks - new:
+                notes.append(f"{r.module} and {readers[r.fqn]} kept replicated: {reason}")
+            _because(why, blocks, reason)
+            new |= blocks
+    return new
 
 
 def _assign(a: Analyzed, outputs: np.ndarray) -> None:

@@ -1,0 +1,61 @@
+"""A head whose output the model returns *and* its own layers read further on.
+
+A column-parallel layer whose split output reaches the model's outputs is a head: unless
+the loss is computed vocab-parallel, the runtime gathers its output whole where the
+module returns, so the user gets the same tensor a plain model returns.  Most heads end
+the model (``lm_head``).  Some do not: a vision tower's pooling head returns
+``pooler_output`` and also feeds the model's ``visual_projection`` (AIMv2), a text
+encoder's last projection returns ``last_hidden_state`` and feeds ``text_projection``
+(AltCLIP).  The dataflow sees the reader contract the head's split features, a row; at
+run time it gets the gathered, whole tensor, and the row's half-width weight cannot
+multiply it.
+
+:func:`readers_of_gathered_heads` finds those rows; the analysis keeps their region
+whole (head and reader), with the reason, instead of planning a split the runtime cannot
+run (the self-check would refuse it at transform time).
+
+Example:
+    >>> readers_of_gathered_heads(analyzed, outputs)           # doctest: +SKIP
+    {'visual_projection.weight': 'vision_model.head.output_proj'}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["readers_of_gathered_heads"]
+
+
+def _labels(part: Any, atoms: np.ndarray) -> set[int]:
+    atoms = atoms[atoms >= 0]
+    return set(np.unique(part.label[atoms]).tolist()) if atoms.size else set()
+
+
+def readers_of_gathered_heads(a: Any, outputs: np.ndarray) -> dict[str, str]:
+    """Rows (by parameter) of another module that read the split output of a head the
+    runtime gathers (a column whose output features reach ``outputs``), each with the
+    head's module."""
+    an, part = a.an, a.part
+    out_atoms = set(np.unique(outputs[outputs >= 0]).tolist()) if outputs.size else set()
+    if not out_atoms:
+        return {}
+    head_of: dict[int, str] = {}  # class label -> the head module producing it
+    for c in an.columns:
+        lay = a.layouts.get(c.fqn)
+        if lay is not None and lay.dim == c.out_dim and int(c.atoms[0]) in out_atoms:
+            for label in _labels(part, c.atoms):
+                head_of.setdefault(label, c.module)
+    if not head_of:
+        return {}
+    readers: dict[str, str] = {}
+    for r in an.rows:
+        lay = a.layouts.get(r.fqn)
+        if lay is None or lay.dim != r.in_dim:
+            continue
+        heads = {head_of[label] for label in _labels(part, r.atoms) if label in head_of}
+        heads.discard(r.module)
+        if heads:
+            readers[r.fqn] = min(heads)
+    return readers
