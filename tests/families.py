@@ -7,7 +7,9 @@ different local values at tp=2), Apertus (learnable scalars inside its activatio
 BART (a bias buffer added to the logits after the LM head), CLIP (two towers, two
 required inputs), Qwen3-Next (gated delta-net layers with chunked causal masks) and
 DBRX (an MoE layer whose expert loop depends on the routing), Mamba-2 (einsums) and
-Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts),
+AIMv2 (a pooling head returned as ``pooler_output`` and read on by ``visual_projection``),
+MPNet (a relative position bias the encoder makes once for every layer: its plan is
+captured whole), Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts),
 OLMo-2 / OLMo-3 (``q_norm`` / ``k_norm`` over all heads) and BitNet (sub-norms over the
 split attention output and MLP features): statistics over split features; OLMoE (the same
 norms over 2 KV heads, or one: split at tp=2, at tp=4 the 2 KV heads keep the attention
@@ -86,6 +88,17 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, image_size=32, patch_size=8, **kw),
             projection_dim=32, **kw)
+    if name == "aimv2":  # a pooling head whose output is returned and read on by visual_projection
+        return hf.Aimv2Model, hf.Aimv2Config(
+            text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=256, max_position_embeddings=32, eos_token_id=2, **kw),
+            vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, image_size=32, patch_size=8, use_head=True, **kw),
+            projection_dim=32, **kw)
+    if name == "mpnet":  # relative position bias made once by the encoder and read by every layer
+        return hf.MPNetForMaskedLM, hf.MPNetConfig(
+            hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=256, max_position_embeddings=64, relative_attention_num_buckets=32, **kw)
     if name == "qwen3_next":  # gated delta-net layers (chunked causal masks: tril) + MoE
         return hf.Qwen3NextForCausalLM, hf.Qwen3NextConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -229,6 +242,8 @@ def build(name: str, attn: str | None = None, *, meta: bool = False) -> torch.nn
         with torch.device("meta"):
             return cls(cfg).eval()
     model = cls(cfg).eval()
+    if name == "aimv2":  # float64: its embeddings are normalised from a small norm, so the head's
+        return model.double()  # gradients reach ~400 and fp32 rounds them by ~1e-4 (rel 4e-7)
     if name.startswith("gpt_oss"):  # its expert biases start at zero, which would hide where they are added
         with torch.no_grad():
             for pname, p in model.named_parameters():

@@ -63,6 +63,9 @@ CASES_TP2 = [
     ("falcon_uneven", "eager"), ("falcon_uneven", "sdpa"), ("mpt_uneven", None),
     # query heads straddling KV groups: a KV head held once, read once per query head
     ("llama_straddle", "eager"), ("phi3_straddle", "sdpa"),
+    # a head the model returns and reads on (kept whole for its reader); a plan captured
+    # whole, checked against a whole local trace (the self-check refused both)
+    ("aimv2", "sdpa"), ("mpnet", "eager"),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart", "falcon_uneven", "llama_straddle", "phi3_straddle"}  # save_pretrained -> from_pretrained checked
 PADDED = {"mpt", "bloom"}  # also a padded batch of another size

@@ -283,7 +283,9 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
     def trace(shadow: nn.Module) -> fx.Graph:
         inputs = None if example_inputs is None else {
             k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
-        return capture(shadow, example_kwargs=inputs).graph
+        # traced as the plan's graph was: a plan captured whole (a sharded value crossed a
+        # cut block) is compared with a whole local trace, not one cut to fewer blocks
+        return capture(shadow, example_kwargs=inputs, cut_stacks=bool(cap.stacks.members)).graph
 
     def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
         with cut_to_traced(model, cap.stacks):  # the shadow copies the traced blocks only
