@@ -167,4 +167,62 @@ def group_norm(an: Analysis, node: torch.fx.Node) -> object:
     return [out, None, None] if native else out
 
 
-REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm]
+@rule(aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit_no_training)
+def batch_norm(an: Analysis, node: torch.fx.Node) -> object:
+    """Normalize each channel (dim 1) over the batch and the positions: channels stay
+    apart, and the weight, the bias and the running statistics follow them (a conformer's
+    convolution module, a CNN's blocks).  The running statistics a training forward
+    updates are this rank's rows; the runtime writes them back whole
+    (:class:`~tpcompile.plan.modules.SliceBuffers`).  Its statistics mix the tokens, so
+    sequence and context parallelism keep it whole (no token rule)."""
+    multi = None if getattr(node.target, "overloadpacket", node.target) is aten.batch_norm else [None, None, None]
+    atoms = an.input_atoms(node)
+    if atoms is None:
+        return multi
+    nd = atoms.ndim
+    channels = an.shape(node.args[0])[1]
+    if atoms.shape[1] != channels or any(s > 1 for i, s in enumerate(atoms.shape) if i != 1):
+        an.poison_node(node, "batch norm over features that vary off the channel dim", Feat(atoms))
+        return multi
+    for k, p in enumerate(node.args[1:5]):  # weight, bias, running mean, running variance
+        pv = an.val(p) if isinstance(p, torch.fx.Node) else None
+        if isinstance(pv, ParamRef):
+            ref = ParamRef(pv.fqn, (None, pv.dims[0]) + (None,) * (nd - 2), pv.is_buffer)
+            an.aligned.append(Aligned(node, ref, atoms, (1, channels) + (1,) * (nd - 2), True))
+            if k >= 2 and pv.is_buffer:  # a training forward updates them in place
+                an.updated_buffers.add(pv.fqn)
+    out = Feat(atoms)
+    return out if multi is None else [out, None, None]
+
+
+_POOLS = tuple(getattr(aten, n) for n in (
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "_adaptive_avg_pool2d",
+    "_adaptive_avg_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "adaptive_max_pool3d") if hasattr(aten, n))
+_POOLS_WITH_INDICES = {getattr(aten, n) for n in ("max_pool2d_with_indices", "max_pool3d_with_indices",
+                                                  "adaptive_max_pool1d", "adaptive_max_pool2d",
+                                                  "adaptive_max_pool3d") if hasattr(aten, n)}
+
+
+@rule(*_POOLS)
+def pool(an: Analysis, node: torch.fx.Node) -> object:
+    """Pooling over the positions (dims 2 on) of ``[batch, channels, *positions]``: each
+    channel pools its own positions, so features on the channels pass and features along
+    the positions are tied (they would cross ranks); the result keeps the channels'
+    features, the same at every pooled position."""
+    src = node.args[0]
+    v = an.val(src)
+    with_indices = getattr(node.target, "overloadpacket", node.target) in _POOLS_WITH_INDICES
+    if isinstance(v, Partial):
+        an.reduce_partials(node)
+        return [None, None] if with_indices else None
+    if not isinstance(v, Feat):
+        return [None, None] if with_indices else None
+    nd = an.ndim(src)
+    atoms = an.aligned_to(v.atoms, nd)
+    out = an.feat(an.union_along(atoms, list(range(2, nd))) if nd > 2 else atoms)
+    return [out, out] if with_indices else out
+
+
+REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm, batch_norm, pool]

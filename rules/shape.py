@@ -47,6 +47,7 @@ def _relayout(
     aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy,
     aten.dropout, aten.lift_fresh_copy, aten.type_as, aten._assert_tensor_metadata,
     aten.feature_dropout, aten.alpha_dropout, aten.copy,
+    aten.dropout_, aten.feature_dropout_, aten.alpha_dropout_,  # in place (MobileNet's classifier)
 )
 def identity(an: Analysis, node: torch.fx.Node) -> object:
     """Value-preserving ops: the abstract value passes through unchanged."""

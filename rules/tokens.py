@@ -157,7 +157,8 @@ def addmm_tokens(node: fx.Node, tags: Tags) -> Tokens:
 @token_rule(aten.clone.default, aten._to_copy.default, aten.detach.default, aten.alias.default,
             aten.contiguous.default, aten.lift_fresh_copy.default, aten.zeros_like.default,
             aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-            aten.native_dropout.default, aten.dropout.default, aten.to.dtype, aten.to.dtype_layout,
+            aten.native_dropout.default, aten.dropout.default, aten.dropout_.default, aten.to.dtype,
+            aten.to.dtype_layout,
             aten.to.device, aten.type_as.default)
 def same_tokens(node: fx.Node, tags: Tags) -> Tokens:
     """Layout or dtype only: the input's tag, unchanged."""

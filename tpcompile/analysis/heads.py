@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["readers_of_gathered_heads"]
+__all__ = ["heads_off_the_last_dim", "readers_of_gathered_heads"]
 
 
 def _labels(part: Any, atoms: np.ndarray) -> set[int]:
@@ -33,20 +33,40 @@ def _labels(part: Any, atoms: np.ndarray) -> set[int]:
     return set(np.unique(part.label[atoms]).tolist()) if atoms.size else set()
 
 
+def _heads(a: Any, outputs: np.ndarray) -> list[Any]:
+    """The column uses whose split output features reach ``outputs``."""
+    an = a.an
+    out_atoms = set(np.unique(outputs[outputs >= 0]).tolist()) if outputs.size else set()
+    return [c for c in an.columns if out_atoms and (lay := a.layouts.get(c.fqn)) is not None
+            and lay.dim == c.out_dim and int(c.atoms[0]) in out_atoms]
+
+
+def heads_off_the_last_dim(a: Any, outputs: np.ndarray) -> dict[str, str]:
+    """Heads (by parameter, with their module) whose output features are not on the last
+    dim: a convolution's channels (``[batch, channels, *positions]``, a CNN's last 1x1
+    conv).  The runtime gathers a head's output along the last dim, so these are kept
+    whole instead."""
+    out: dict[str, str] = {}
+    for c in _heads(a, outputs):
+        v = a.an.value.get(c.node)
+        atoms = getattr(v, "atoms", None)
+        if atoms is None:
+            continue
+        atoms = a.an.aligned_to(atoms, a.an.ndim(c.node))
+        if any(s > 1 for s in atoms.shape[:-1]):
+            out[c.fqn] = c.module
+    return out
+
+
 def readers_of_gathered_heads(a: Any, outputs: np.ndarray) -> dict[str, str]:
     """Rows (by parameter) of another module that read the split output of a head the
     runtime gathers (a column whose output features reach ``outputs``), each with the
     head's module."""
     an, part = a.an, a.part
-    out_atoms = set(np.unique(outputs[outputs >= 0]).tolist()) if outputs.size else set()
-    if not out_atoms:
-        return {}
     head_of: dict[int, str] = {}  # class label -> the head module producing it
-    for c in an.columns:
-        lay = a.layouts.get(c.fqn)
-        if lay is not None and lay.dim == c.out_dim and int(c.atoms[0]) in out_atoms:
-            for label in _labels(part, c.atoms):
-                head_of.setdefault(label, c.module)
+    for c in _heads(a, outputs):
+        for label in _labels(part, c.atoms):
+            head_of.setdefault(label, c.module)
     if not head_of:
         return {}
     readers: dict[str, str] = {}

@@ -252,6 +252,8 @@ class Analysis:
         self.rows: list[RowUse] = []
         self.embeddings: list[EmbeddingUse] = []
         self.aligned: list[Aligned] = []
+        # buffers an op updates in place in training (BatchNorm's running statistics)
+        self.updated_buffers: set[str] = set()
         self.poison: list[Poison] = []
         self.reduce_points: list[ReducePoint] = []
         self.row_addends: list[RowAddend] = []

@@ -28,7 +28,7 @@ from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
 from .gradients import along, rank_of, unsummed_gradients, varies
-from .heads import readers_of_gathered_heads
+from .heads import heads_off_the_last_dim, readers_of_gathered_heads
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
@@ -531,9 +531,20 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
 
 
 def _gathered_head_readers(a: Analyzed, outputs: np.ndarray, forced: set, why: dict, notes: list[str]) -> set:
-    """The regions where a row reads a head's output that the runtime gathers whole
-    (:mod:`.heads`): kept whole, head and reader, with the reason."""
+    """The regions the runtime's gather of a head cannot serve (:mod:`.heads`), kept
+    whole with the reason: a head whose features are off the last dim, and a row of
+    another module reading a head's output (gathered whole there)."""
     new: set = set()
+    off = heads_off_the_last_dim(a, outputs)
+    for c in a.an.columns:
+        if c.fqn in off:
+            reason = (f"{c.module}'s split output is returned with its features off the last dim (a "
+                      "convolution's channels): the runtime gathers a head along the last dim")
+            blocks = _region_blocks(a.part, a.an, c.atoms) - forced
+            if blocks - new:
+                notes.append(f"{c.module} kept replicated: {reason}")
+            _because(why, blocks, reason)
+            new |= blocks
     readers = readers_of_gathered_heads(a, outputs)
     for r in a.an.rows:
         if r.fqn in readers:

@@ -81,8 +81,10 @@ def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype
         if mels is not None and positions is not None:
             # Whisper-style encoders check the frame count: two conv frames per position
             return _floats((batch, int(mels), 2 * int(positions)), dtype, device, gen)
-        per_frame = _find(config, "input_feat_per_channel", "feature_size", "num_mel_bins")
-        channels = _find(config, "input_channels") or 1
+        # a speech encoder's own config (Parakeet, LASR: ``encoder_config.num_mel_bins``)
+        audio = ("audio_config", "encoder", "encoder_config")
+        per_frame = _find(config, "input_feat_per_channel", "feature_size", "num_mel_bins", sub=audio)
+        channels = _find(config, "input_channels", sub=audio) or 1
         if per_frame is None:
             raise TPError("the model takes input_features but its config gives no feature size; pass example_inputs=")
         return _floats((batch, 4 * seq, int(per_frame) * int(channels)), dtype, device, gen)

@@ -399,7 +399,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         rep_ops[m][SliceInputs] = SliceInputs(slices=tuple(es.as_tuple() for es in slices))
     for m, buffers in a.buffer_slices.items():
         rep_ops[m][SliceBuffers] = SliceBuffers(slices=tuple(
-            (path, lay.dim, lay.size, index_to_runs(lay.index)) for path, lay in sorted(buffers.items())))
+            (path, lay.dim, lay.size, index_to_runs(lay.index)) for path, lay in sorted(buffers.items())),
+            updated=tuple(p for p in sorted(buffers) if (f"{m}.{p}" if m else p) in a.an.updated_buffers))
     for fqn, users in a.embedding.items():
         for m in users:
             rep_ops[m][VocabEmbedding] = VocabEmbedding(vocab_size=int(a.layouts[fqn].size))

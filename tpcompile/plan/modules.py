@@ -282,7 +282,8 @@ class SliceBuffers(ModuleOp):
     ``state_dict``, delayed init and checkpoints see it unchanged.  Each entry of
     ``slices`` is ``(path, dim, size, runs)``: the buffer's path under this module, its dim
     of ``size`` global rows and, per TP rank, the runs ``[start, stop)`` of rows it keeps
-    (``[-1, n]``: ``n`` padding rows, which meet only zero features).  No collective.
+    (``[-1, n]``: ``n`` padding rows, which meet only zero features).  No collective, but
+    for the ``updated`` buffers of a module in training mode: one all-gather each.
 
     Example:
         >>> import torch
@@ -294,6 +295,9 @@ class SliceBuffers(ModuleOp):
     kind: ClassVar[str] = "slice_buffers"
     order: ClassVar[int] = 1
     slices: tuple = ()
+    # paths a training forward updates in place (BatchNorm's running statistics): after
+    # it, every rank's rows are all-gathered back into the whole buffer
+    updated: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:  # JSON gives lists: the canonical form is tuples
         from .types import runs_to_index

@@ -398,14 +398,45 @@ class _SliceInputHooks(OpHooks):
 
 class _SliceBufferHooks(OpHooks):
     """Buffers applied to split features narrowed to this rank's rows for the call; the
-    whole buffer goes back after it (``saved``, keyed by ``(submodule, leaf)``)."""
+    whole buffer goes back after it (``saved``, keyed by ``(submodule, leaf)``).  A
+    forward that updates its rows in place (BatchNorm's running statistics in training)
+    has them written back: every rank's rows are all-gathered into the whole buffer, so
+    each rank holds the same, complete statistics (``state_dict``, eval, checkpoints)."""
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self.live: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # this call's updated buffers
 
     def swap(self, mod: nn.Module, saved: dict[Any, Any]) -> None:
+        self.live = []
         for i, (path, *_) in enumerate(self.op.slices):
             owner, _, leaf = path.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
             whole = saved.setdefault((sub, leaf), sub._buffers[leaf])
-            sub._buffers[leaf] = self.op.local(whole, i, self.backend.rank, self.fqn)
+            sub._buffers[leaf] = local = self.op.local(whole, i, self.backend.rank, self.fqn)
+            # the update of running statistics bumps no version counter: the plan names them,
+            # and training mode (the same on every rank) says whether this call updates them
+            if path in self.op.updated and sub.training:
+                self.live.append((i, whole, local))
+
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        for i, whole, local in self.live:
+            self._write_back(i, whole, local)
+        self.live = []
+        return out
+
+    def _write_back(self, i: int, whole: torch.Tensor, local: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dim = self.op.slices[i][1]
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        with torch.no_grad():
+            dist.all_gather(pieces, local.detach().contiguous(), group=self.group)
+            for rows, piece in zip(self.op._rows[i], pieces, strict=True):
+                keep = torch.as_tensor(rows >= 0)
+                where = torch.nonzero(keep).flatten()
+                whole.index_copy_(dim, torch.as_tensor(rows)[keep].to(whole.device),
+                                  piece.index_select(dim, where.to(piece.device)))
 
 
 class _GatherHooks(OpHooks):
