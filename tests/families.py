@@ -9,7 +9,7 @@ required inputs), Qwen3-Next (gated delta-net layers with chunked causal masks) 
 DBRX (an MoE layer whose expert loop depends on the routing), Mamba-2 (einsums) and
 AIMv2 (a pooling head returned as ``pooler_output`` and read on by ``visual_projection``),
 MPNet (a relative position bias the encoder makes once for every layer: its plan is
-captured whole), Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts),
+captured whole), I-BERT (embeddings and linears that return ``(values, None)``), Jamba (Mamba layers that normalise ``B`` / ``C`` / ``dt``, attention, experts),
 OLMo-2 / OLMo-3 (``q_norm`` / ``k_norm`` over all heads) and BitNet (sub-norms over the
 split attention output and MLP features): statistics over split features; OLMoE (the same
 norms over 2 KV heads, or one: split at tp=2, at tp=4 the 2 KV heads keep the attention
@@ -95,6 +95,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, image_size=32, patch_size=8, use_head=True, **kw),
             projection_dim=32, **kw)
+    if name == "ibert":  # quantization-aware modules returning (values, None) outside quant mode
+        return hf.IBertForMaskedLM, hf.IBertConfig(
+            hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=256, max_position_embeddings=64, quant_mode=False, **kw)
     if name == "mpnet":  # relative position bias made once by the encoder and read by every layer
         return hf.MPNetForMaskedLM, hf.MPNetConfig(
             hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,

@@ -369,7 +369,7 @@ def _batch_norm_training(rank: int, world: int) -> dict:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     for i, (x, y) in enumerate(batches):
         pair = [m(pixel_values=x, labels=y).loss for m in (model, ref)]
-        for loss, opt in zip(pair, opts, strict=True):
+        for loss in pair:
             loss.backward()
         losses.append(abs(pair[0].item() - pair[1].item()))
         if i == 0:

@@ -54,6 +54,16 @@ from .stats import SplitStatMode
 __all__ = ["HANDLERS", "OpHooks", "TorchBackend", "handler_for"]
 
 
+def _leading_tensor(out: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """The value a module's exit ops act on, and how to put it back: the output itself,
+    or the first entry of a tuple whose other entries carry no tensor (I-BERT's quantized
+    modules return ``(values, None)`` outside quant mode)."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and not hasattr(out, "_fields") \
+            and not any(isinstance(t, torch.Tensor) for t in tree_flatten(list(out[1:]))[0]):
+        return out[0], lambda value: (value, *out[1:])
+    return out, lambda value: value
+
+
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -217,10 +227,11 @@ class TorchBackend:
             return args, kwargs
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            out = zero_padding(out, padding_out)
+            value, rebuild = _leading_tensor(out)
+            value = zero_padding(value, padding_out)
             for h in handlers:
-                out = h.post(mod, out, state)
-            return out
+                value = h.post(mod, value, state)
+            return rebuild(value)
 
         def restore(mod: nn.Module, args: tuple, out: Any) -> None:
             # always_call: also when the forward (or ``post``) raised, so an exception
