@@ -379,6 +379,12 @@ def capture(
         example_args, example_kwargs = _example_inputs(model)
     example_args = example_args or ()
     stacks = _find_stacks(model) if cut_stacks else {}
+    if stacks and not example_args:
+        # a block stands for those the model calls the same way, not only those built alike
+        from .calls import split_by_calls
+
+        reps = split_by_calls(model, stacks, example_kwargs or {})
+        stacks = {fqn: (mod, reps[fqn]) for fqn, (mod, _) in stacks.items() if len(set(reps[fqn])) < len(mod)}
     was_training = model.training
     model.eval()  # dropout off: it would only add noise nodes to the graph
     try:

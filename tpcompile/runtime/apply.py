@@ -47,14 +47,15 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
             new = backend.make_param(local, pp, old.requires_grad)
             done[id(old)] = new
         names = [name, *pp.tied_to]
-        # the name under the module whose whole forward sees the local tensor (code outside
-        # the owner reads it), if any; every other name is swapped by its owner
-        under = None if pp.scope is None else next(
-            (n for n in names if not pp.scope or n.startswith(pp.scope + ".")), None)
+        # the names under the module whose whole forward sees the local tensor (code outside
+        # the owner reads it, under any of its tied names: NeoMME's root reads
+        # ``self.unembedding_projection.weight``, tied to an embedding's projection); every
+        # other name is swapped by its owner
+        under = set() if pp.scope is None else {n for n in names if not pp.scope or n.startswith(pp.scope + ".")}
         for alias in names:
             am, ap = _owner(alias)
             mods[am]._parameters[ap] = new
-            if alias == under:
+            if alias in under:
                 scoped[pp.scope].append(alias[len(pp.scope) + 1:] if pp.scope else alias)
             else:
                 swaps[am].append(ap)
