@@ -534,27 +534,20 @@ def _gathered_head_readers(a: Analyzed, outputs: np.ndarray, forced: set, why: d
     """The regions the runtime's gather of a head cannot serve (:mod:`.heads`), kept
     whole with the reason: a head whose features are off the last dim, and a row of
     another module reading a head's output (gathered whole there)."""
+    off, readers = heads_off_the_last_dim(a, outputs), readers_of_gathered_heads(a, outputs)
+    found = [(c.atoms, c.module, f"{c.module}'s split output is returned with its features off the last dim (a "
+              "convolution's channels): the runtime gathers a head along the last dim")
+             for c in a.an.columns if c.fqn in off]
+    found += [(r.atoms, f"{r.module} and {readers[r.fqn]}", f"{r.module} reads the output of {readers[r.fqn]}, "
+               "which the model also returns whole (gathered there): a row cannot take it split")
+              for r in a.an.rows if r.fqn in readers]
     new: set = set()
-    off = heads_off_the_last_dim(a, outputs)
-    for c in a.an.columns:
-        if c.fqn in off:
-            reason = (f"{c.module}'s split output is returned with its features off the last dim (a "
-                      "convolution's channels): the runtime gathers a head along the last dim")
-            blocks = _region_blocks(a.part, a.an, c.atoms) - forced
-            if blocks - new:
-                notes.append(f"{c.module} kept replicated: {reason}")
-            _because(why, blocks, reason)
-            new |= blocks
-    readers = readers_of_gathered_heads(a, outputs)
-    for r in a.an.rows:
-        if r.fqn in readers:
-            reason = (f"{r.module} reads the output of {readers[r.fqn]}, which the model also returns whole "
-                      "(gathered there): a row cannot take it split")
-            blocks = _region_blocks(a.part, a.an, r.atoms) - forced
-            if blocks - new:
-                notes.append(f"{r.module} and {readers[r.fqn]} kept replicated: {reason}")
-            _because(why, blocks, reason)
-            new |= blocks
+    for atoms, modules, reason in found:
+        blocks = _region_blocks(a.part, a.an, atoms) - forced
+        if blocks - new:
+            notes.append(f"{modules} kept replicated: {reason}")
+        _because(why, blocks, reason)
+        new |= blocks
     return new
 
 
