@@ -275,7 +275,7 @@ def test_cli_surface_frozen() -> None:
     assert demo_flags == {"-h", "--help", "--tp", "--steps"}
     verify_flags = {s for a in subs["verify"]._actions for s in a.option_strings}
     assert verify_flags == {"-h", "--help", "--tp", "--tol", "--layers", "--no-generate", "--format",
-                            "--attn", "--sequence-parallel", "--inject-fault", "--cp", "--pp"}
+                            "--attn", "--sequence-parallel", "--inject-fault", "--cp", "--pp", "--dtype"}
     assert [a.dest for a in subs["verify"]._actions if not a.option_strings] == ["model"]
 
 
