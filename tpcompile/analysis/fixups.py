@@ -100,11 +100,11 @@ class Local:
         return self.count(self.line(node, d)[:stop])
 
 
-def _pairs(a: Analyzed, loc: Local) -> dict[str, dict[int, set[int]]]:
+def _pairs(a: Analyzed, loc: Local, whole: set[fx.Node]) -> dict[str, dict[int, set[int]]]:
     an = a.an
     pairs: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for node in an.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node in whole:
             continue
         packet = getattr(node.target, "overloadpacket", None)
         mod = innermost_module(node)
@@ -169,16 +169,23 @@ def _expand_copies(a: Analyzed, loc: Local, node: fx.Node, pairs: dict) -> None:
         pairs[innermost_module(src)][in_shape[d]].add(out_local // other)
 
 
-def find_fixups(a: Analyzed, model: nn.Module) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, list]]]:
+def find_fixups(a: Analyzed, model: nn.Module, *, gathered: bool = False) -> tuple[
+        dict[str, dict[str, list[int]]], dict[str, dict[str, list]]]:
     """``({module fqn: {attr or "config.attr": [global, local]}}, ambiguous)``, by
     representative FQNs.  ``ambiguous[module][attr] = [global, [locals]]`` lists the
     attributes whose global value maps to several local values in that module (two
-    sizes that coincide globally); :mod:`.selfcheck` picks among them by tracing."""
+    sizes that coincide globally); :mod:`.selfcheck` picks among them by tracing.
+    ``gathered``: heads' outputs are gathered whole at run time, so no size read after
+    them is made local (SEW's upsampling reshapes its gathered projection by
+    ``squeeze_factor``: made local, the reshape was skipped and the output's shape wrong)."""
+    from .heads import after_heads
+
     loc = Local(a)
+    whole = after_heads(a, a.an.graph) if gathered else set()
     mods = dict(model.named_modules())
     result: dict[str, dict[str, list[int]]] = {}
     ambiguous: dict[str, dict[str, list]] = {}
-    for mod_name, values in _pairs(a, loc).items():
+    for mod_name, values in _pairs(a, loc, whole).items():
         module = mods.get(mod_name)
         if module is None:
             continue

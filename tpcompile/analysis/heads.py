@@ -24,8 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch.fx as fx
 
-__all__ = ["heads_off_the_last_dim", "readers_of_gathered_heads"]
+from .propagate import module_path
+
+__all__ = ["after_heads", "heads_off_the_last_dim", "readers_of_gathered_heads"]
 
 
 def _labels(part: Any, atoms: np.ndarray) -> set[int]:
@@ -79,3 +82,22 @@ def readers_of_gathered_heads(a: Any, outputs: np.ndarray) -> dict[str, str]:
         if heads:
             readers[r.fqn] = min(heads)
     return readers
+
+
+def after_heads(a: Any, graph: fx.Graph) -> set[fx.Node]:
+    """Nodes fed by a head's output outside the head: the gathered values and what is
+    computed from them, whole at run time (however the dataflow splits them)."""
+    heads = set(a.lm_head.values())
+
+    def inside(node: fx.Node) -> bool:
+        return any(h in module_path(node) for h in heads)
+
+    frontier = [u for n in graph.nodes if n.op == "call_function" and inside(n) for u in n.users
+                if not inside(u)]
+    seen: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node not in seen and node.op == "call_function":
+            seen.add(node)
+            frontier.extend(node.users)
+    return seen

@@ -39,8 +39,9 @@ from torch import nn
 from ..errors import TPError
 from .entries import narrow_args
 from .fixups import Local, apply_fixups, localize_embedding, quiet_traces
+from .heads import after_heads
 from .partition import param_layout
-from .propagate import innermost_module, module_path
+from .propagate import innermost_module
 from .roles import Analyzed
 from .state import Feat
 
@@ -129,25 +130,6 @@ def _model_frame(err: BaseException) -> str:
     return ""
 
 
-def _after_heads(a: Analyzed, graph: fx.Graph) -> set[fx.Node]:
-    """Nodes fed by an LM head's output outside the head: gathered logits and what is
-    computed from them (replicated at runtime)."""
-    heads = set(a.lm_head.values())
-
-    def inside(node: fx.Node) -> bool:
-        return any(h in module_path(node) for h in heads)
-
-    frontier = [u for n in graph.nodes if n.op == "call_function" and inside(n) for u in n.users
-                if not inside(u)]
-    seen: set[fx.Node] = set()
-    while frontier:
-        node = frontier.pop()
-        if node not in seen and node.op == "call_function":
-            seen.add(node)
-            frontier.extend(node.users)
-    return seen
-
-
 def _gather_heads(shadow: nn.Module, a: Analyzed, expand: Callable[[str], list[str]]) -> None:
     """The runtime's logit gather, shape for shape: each head returns all ``tp`` shards,
     unpadded to the vocabulary."""
@@ -163,7 +145,7 @@ def _gather_heads(shadow: nn.Module, a: Analyzed, expand: Callable[[str], list[s
 
 def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph, gathered: bool = False) -> list[Mismatch]:
     loc = Local(a)
-    whole = _after_heads(a, predicted) if gathered else set()
+    whole = after_heads(a, predicted) if gathered else set()
     want = [n for n in predicted.nodes if n.op == "call_function"]
     got = [n for n in local.nodes if n.op == "call_function"]
     # the local code may take a slightly different path (a layout copy the global shapes

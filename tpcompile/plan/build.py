@@ -276,7 +276,7 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
     two attributes share globally are resolved by trying assignments; whatever remains
     inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
     signature = _signature(model, example_inputs)
-    fixups, ambiguous = find_fixups(a, model)
+    fixups, ambiguous = find_fixups(a, model, gathered=gathered)
     if fixups:
         fixups = verify_fixups(model, fixups, signature)
 
