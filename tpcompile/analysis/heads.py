@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .propagate import module_path
 
-__all__ = ["after_heads", "heads_off_the_last_dim", "readers_of_gathered_heads"]
+__all__ = ["after_heads", "gathered_heads", "heads_off_the_last_dim", "readers_of_gathered_heads"]
 
 
 def _labels(part: Any, atoms: np.ndarray) -> set[int]:
@@ -36,21 +36,21 @@ def _labels(part: Any, atoms: np.ndarray) -> set[int]:
     return set(np.unique(part.label[atoms]).tolist()) if atoms.size else set()
 
 
-def _heads(a: Any, outputs: np.ndarray) -> list[Any]:
-    """The column uses whose split output features reach ``outputs``."""
-    an = a.an
+def gathered_heads(a: Any, outputs: np.ndarray) -> list[Any]:
+    """The split column uses whose output features reach ``outputs`` (the heads: the
+    runtime gathers them; every other split column is a plain column)."""
     out_atoms = set(np.unique(outputs[outputs >= 0]).tolist()) if outputs.size else set()
-    return [c for c in an.columns if out_atoms and (lay := a.layouts.get(c.fqn)) is not None
+    return [c for c in a.an.columns if out_atoms and (lay := a.layouts.get(c.fqn)) is not None
             and lay.dim == c.out_dim and int(c.atoms[0]) in out_atoms]
 
 
-def heads_off_the_last_dim(a: Any, outputs: np.ndarray) -> dict[str, str]:
-    """Heads (by parameter, with their module) whose output features are not on the last
-    dim: a convolution's channels (``[batch, channels, *positions]``, a CNN's last 1x1
-    conv).  The runtime gathers a head's output along the last dim, so these are kept
-    whole instead."""
+def heads_off_the_last_dim(a: Any, heads: list[Any]) -> dict[str, str]:
+    """Of ``heads`` (:func:`gathered_heads`), those (by parameter, with their module) whose
+    output features are not on the last dim: a convolution's channels (``[batch,
+    channels, *positions]``, a CNN's last 1x1 conv).  The runtime gathers a head's output
+    along the last dim, so these are kept whole instead."""
     out: dict[str, str] = {}
-    for c in _heads(a, outputs):
+    for c in heads:
         v = a.an.value.get(c.node)
         atoms = getattr(v, "atoms", None)
         if atoms is None:
@@ -61,13 +61,12 @@ def heads_off_the_last_dim(a: Any, outputs: np.ndarray) -> dict[str, str]:
     return out
 
 
-def readers_of_gathered_heads(a: Any, outputs: np.ndarray) -> dict[str, str]:
-    """Rows (by parameter) of another module that read the split output of a head the
-    runtime gathers (a column whose output features reach ``outputs``), each with the
-    head's module."""
+def readers_of_gathered_heads(a: Any, heads: list[Any]) -> dict[str, str]:
+    """Rows (by parameter) of another module that read the split output of one of
+    ``heads`` (:func:`gathered_heads`), each with the head's module."""
     an, part = a.an, a.part
     head_of: dict[int, str] = {}  # class label -> the head module producing it
-    for c in _heads(a, outputs):
+    for c in heads:
         for label in _labels(part, c.atoms):
             head_of.setdefault(label, c.module)
     if not head_of:

@@ -28,7 +28,7 @@ from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
 from .gradients import along, rank_of, unsummed_gradients, varies
-from .heads import heads_off_the_last_dim, readers_of_gathered_heads
+from .heads import gathered_heads, heads_off_the_last_dim, readers_of_gathered_heads
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
@@ -534,7 +534,8 @@ def _gathered_head_readers(a: Analyzed, outputs: np.ndarray, forced: set, why: d
     """The regions the runtime's gather of a head cannot serve (:mod:`.heads`), kept
     whole with the reason: a head whose features are off the last dim, and a row of
     another module reading a head's output (gathered whole there)."""
-    off, readers = heads_off_the_last_dim(a, outputs), readers_of_gathered_heads(a, outputs)
+    heads = gathered_heads(a, outputs)
+    off, readers = heads_off_the_last_dim(a, heads), readers_of_gathered_heads(a, heads)
     found = [(c.atoms, c.module, f"{c.module}'s split output is returned with its features off the last dim (a "
               "convolution's channels): the runtime gathers a head along the last dim")
              for c in a.an.columns if c.fqn in off]
@@ -553,13 +554,10 @@ def _gathered_head_readers(a: Analyzed, outputs: np.ndarray, forced: set, why: d
 
 def _assign(a: Analyzed, outputs: np.ndarray) -> None:
     an = a.an
-    out_atoms = set(np.unique(outputs[outputs >= 0]).tolist())
+    heads = {c.fqn for c in gathered_heads(a, outputs)}
     for c in an.columns:
         if c.fqn in a.layouts and a.layouts[c.fqn].dim == c.out_dim:
-            if out_atoms and int(c.atoms[0]) in out_atoms:
-                a.lm_head[c.fqn] = c.module
-            else:
-                a.column[c.fqn] = c.module
+            (a.lm_head if c.fqn in heads else a.column)[c.fqn] = c.module
     # a module an expert loop calls once per expert: its parent is the TP region (:mod:`.exits`)
     keep = set(a.addends) | {r.module for r in an.rows if r.fqn in a.reentry.rows}
     a.loop_parents = loop_parents(an, a.layouts, an._params, keep)
