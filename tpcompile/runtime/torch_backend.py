@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -437,17 +438,13 @@ class _SliceBufferHooks(OpHooks):
         return out
 
     def _write_back(self, i: int, whole: torch.Tensor, local: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         dim = self.op.slices[i][1]
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        rows = torch.as_tensor(np.concatenate(self.op._rows[i]))  # every rank's rows, in gather order
+        keep = rows >= 0  # padding rows hold nothing
         with torch.no_grad():
-            dist.all_gather(pieces, local.detach().contiguous(), group=self.group)
-            for rows, piece in zip(self.op._rows[i], pieces, strict=True):
-                keep = torch.as_tensor(rows >= 0)
-                where = torch.nonzero(keep).flatten()
-                whole.index_copy_(dim, torch.as_tensor(rows)[keep].to(whole.device),
-                                  piece.index_select(dim, where.to(piece.device)))
+            gathered = comm.gather_from_tp(local.detach(), self.group, dim=dim)
+            whole.index_copy_(dim, rows[keep].to(whole.device),
+                              gathered.index_select(dim, torch.nonzero(keep).flatten().to(gathered.device)))
 
 
 class _GatherHooks(OpHooks):
