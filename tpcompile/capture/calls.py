@@ -23,12 +23,11 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["split_by_calls"]
 
@@ -71,51 +70,38 @@ class _Stub(nn.Module):
 def split_by_calls(model: nn.Module, stacks: dict[str, tuple[nn.ModuleList, list[int]]],
                    example_kwargs: dict[str, Any]) -> dict[str, list[int]]:
     """Each stack's representatives (block index -> the index of the first block of the
-    same structure called the same way), from one fake forward; the structural ones where
-    that forward cannot run."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    same structure called the same way), from one shapes-only forward of the cut model
+    (:func:`~tpcompile.capture.fake.shape_trace`'s, retried as it retries); the structural
+    ones where that forward cannot run."""
+    from .fake import _fake_forward
 
-    from .export import _truncated, every_position_nonzero, quiet_traces
-    from .fake import as_if_exporting, fake_copy
-
-    structural = {fqn: reps for fqn, (_, reps) in stacks.items()}
-    with _truncated(model, stacks):
-        mode = FakeTensorMode(shape_env=ShapeEnv())
-        twin = fake_copy(model, mode).eval()
     calls: dict[str, dict[int, tuple]] = {fqn: {} for fqn in stacks}
     outs: dict[str, dict[int, Any]] = {fqn: {} for fqn in stacks}
-    for fqn, (mod, reps) in stacks.items():
-        cut = twin.get_submodule(fqn)
-        keep = len(cut)
-        for i in range(keep):  # the traced blocks: record their calls and outputs
-            block = cut[i]
-            block.register_forward_pre_hook(
-                lambda m, a, k, _i=i, _c=calls[fqn]: _c.__setitem__(_i, _call_signature(a, k)), with_kwargs=True)
-            block.register_forward_hook(lambda m, a, o, _i=i, _o=outs[fqn]: _o.__setitem__(_i, o))
-        for i in range(keep, len(mod)):
-            cut._modules[str(i)] = _Stub(mod[i], reps[i], i, outs[fqn], calls[fqn])
-    with mode:
-        fake = tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), dict(example_kwargs))
-    ran = False
-    # as the capture runs it: no cache where the model has one; a data-dependent loop over
-    # every position; a forward that refuses all of these keeps the structural reps
-    for nonzero in (contextlib.nullcontext, lambda: every_position_nonzero(ints=True)):
-        for kw in (dict(fake, use_cache=False), fake):
-            try:
-                with quiet_traces(), mode, as_if_exporting(), nonzero(), torch.no_grad():
-                    twin(**kw)
-                ran = True
-                break
-            except Exception:  # noqa: BLE001 - any model code may refuse a forward
-                for c in calls.values():
-                    c.clear()
-        if ran:
-            break
-    if not ran:
-        return structural
+    handles: list[Any] = []
+
+    def install(twin: nn.Module) -> None:
+        # each attempt records afresh: a failed one's calls (and hooks) are dropped
+        for h in handles:
+            h.remove()
+        handles.clear()
+        for fqn, (mod, reps) in stacks.items():
+            calls[fqn].clear()
+            cut = twin.get_submodule(fqn)
+            keep = max(reps) + 1  # the traced blocks: their calls and outputs are recorded
+            for i in range(keep):
+                handles.append(cut[i].register_forward_pre_hook(
+                    lambda m, a, k, _i=i, _c=calls[fqn]: _c.__setitem__(_i, _call_signature(a, k)),
+                    with_kwargs=True))
+                handles.append(cut[i].register_forward_hook(lambda m, a, o, _i=i, _o=outs[fqn]: _o.__setitem__(_i, o)))
+            for i in range(keep, len(mod)):
+                cut._modules[str(i)] = _Stub(mod[i], reps[i], i, outs[fqn], calls[fqn])
+
+    try:
+        _fake_forward(model, example_kwargs, install)
+    except Exception:  # noqa: BLE001 - the model's code may refuse this forward: keep the structural reps
+        return {fqn: reps for fqn, (_, reps) in stacks.items()}
     out: dict[str, list[int]] = {}
-    for fqn, reps in structural.items():
+    for fqn, (_, reps) in stacks.items():
         first: dict[tuple, int] = {}
         seen = calls[fqn]
         out[fqn] = [first.setdefault((rep, seen.get(i)), i) for i, rep in enumerate(reps)] \
