@@ -300,8 +300,10 @@ def conv(an: Analysis, node: torch.fx.Node) -> object:
     x, w = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
     packet = getattr(node.target, "overloadpacket", node.target)
-    groups = node.args[8] if packet in (aten.convolution, aten._convolution) else (
-        node.args[6] if len(node.args) > 6 else 1)
+    generic = packet in (aten.convolution, aten._convolution)
+    if generic and node.args[6]:
+        return _transposed(an, node, node.args[8])
+    groups = node.args[8] if generic else (node.args[6] if len(node.args) > 6 else 1)
     xv, wv = an.val(x), an.val(w)
     if isinstance(xv, Partial):
         an.reduce_partials(node)
@@ -331,6 +333,32 @@ def conv(an: Analysis, node: torch.fx.Node) -> object:
         an.aligned.append(Aligned(node, ParamRef(bv.fqn, (None, bv.dims[0]) + (None,) * (nd - 2)), atoms,
                                   (1, c_out) + (1,) * (nd - 2), True))
     return an.feat(atoms)  # channel c of the output is channel c of the input
+
+
+@rule(aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d)
+def conv_transpose(an: Analysis, node: torch.fx.Node) -> object:
+    """Transposed convolutions (an upsampling decoder's, a vocoder's): the weight is
+    ``[C_in, C_out / groups, *kernel]``, so with ``groups == 1`` dim 0 is contracted and
+    dim 1 gives the output channels, the other way round from :func:`conv`."""
+    return _transposed(an, node, node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1))
+
+
+def _transposed(an: Analysis, node: torch.fx.Node, groups: int) -> object:
+    x, w = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else None
+    xv, wv = an.val(x), an.val(w)
+    if isinstance(xv, Partial):
+        an.reduce_partials(node)
+        xv = None
+    if not isinstance(wv, ParamRef) or groups != 1:
+        if isinstance(xv, Feat) or isinstance(wv, Feat):
+            an.poison_node(node, "transposed convolution with a computed kernel" if groups == 1 else
+                           f"grouped transposed convolution (groups={groups}) on sharded channels", xv, wv)
+        return None
+    if xv is not None and not _channels_only(an, x, xv):
+        an.poison_node(node, "transposed convolution over features that vary along other dims", xv)
+        return None
+    return linear_like(an, node, x, wv, 0, 1, bias, feature_dim=1)
 
 
 def _channels_only(an: Analysis, x: torch.fx.Node, v: Feat) -> bool:
@@ -434,4 +462,5 @@ def einsum(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(out)
 
 
-CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, einsum, sdpa, embedding, conv, index, gather]
+CONTRACT_RULES = [linear, addmm, matmul, grouped_mm, baddbmm, einsum, sdpa, embedding, conv, conv_transpose, index,
+                  gather]

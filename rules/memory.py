@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tpcompile.analysis.propagate import Analysis, place_atoms, rule, slice_indices
-from tpcompile.analysis.state import Feat, Partial
+from tpcompile.analysis.state import Aligned, Feat, Partial
 
 __all__ = ["MEMORY_RULES"]
 
@@ -134,4 +134,44 @@ def index_add(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(out)
 
 
-MEMORY_RULES = [factory, copy, scatter, index_add]
+@rule(aten.masked_scatter, aten.masked_scatter_)
+def masked_scatter(an: Analysis, node: torch.fx.Node) -> object:
+    """``dst.masked_scatter(mask, src)``: the positions ``mask`` picks take ``src``'s rows
+    in order (a vision-language model's image features filling the text's placeholder
+    tokens).  With one row width on both sides, feature ``i`` of a filled row is feature
+    ``i`` of a ``src`` row, so the last dims tie and the rows stay whole; the mask must
+    be the same along the split features (an expanded ``[B, S, 1]`` mask, checked where
+    it meets them).  Features elsewhere, or rows refilled at another width (the fill
+    runs over the flattened ``src``), would land at other features: refused."""
+    dst, mask, src = node.args[:3]
+    vals = [an.val(dst), an.val(src)]
+    if any(isinstance(v, Partial) for v in vals):
+        an.reduce_partials(node)  # a sum is needed whole before its rows are copied
+        vals = [None if isinstance(v, Partial) else v for v in vals]
+    if not any(isinstance(v, Feat) for v in vals):
+        return None
+    nd = an.ndim(dst)
+    if an.shape(src)[-1:] != an.shape(dst)[-1:]:
+        an.poison_node(node, "masked_scatter refills rows of another width", *vals)
+        return None
+    last = []
+    for arg, v in ((dst, vals[0]), (src, vals[1])):
+        if not isinstance(v, Feat):
+            continue
+        atoms = an.aligned_to(v.atoms, an.ndim(arg))
+        if any(s > 1 for s in atoms.shape[:-1]):
+            an.poison_node(node, "masked_scatter of features off the last dim", *vals)
+            return None
+        last.append(atoms.reshape((1,) * (nd - 1) + atoms.shape[-1:]))
+    out = an.tie(last)
+    for arg, v in ((dst, vals[0]), (src, vals[1]), (mask, None)):
+        if isinstance(v, Feat) or not isinstance(arg, torch.fx.Node):
+            continue
+        shape = an.shape(arg)
+        # src's rows are matched to dst's by the last dim alone
+        aligned = (1,) * (nd - 1) + shape[-1:] if arg is src else (1,) * (nd - len(shape)) + shape
+        an.aligned.append(Aligned(node, arg, out, aligned, arg in an.tainted))
+    return an.feat(out)
+
+
+MEMORY_RULES = [factory, copy, scatter, index_add, masked_scatter]

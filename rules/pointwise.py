@@ -110,6 +110,9 @@ _POINTWISE_OPS = [
     aten.gelu_, aten.mul_, aten.add_, aten.div_, aten.sub_, aten.tanh_, aten.relu_,
     aten.isnan, aten.isinf, aten.nan_to_num, aten.lerp, aten.addcmul, aten.addcdiv,
     aten.fmod, aten.remainder, aten.__and__, aten.__or__, aten.atan, aten.log_sigmoid,
+    aten.acos, aten.asin, aten.atan2, aten.sinh, aten.cosh, aten.asinh, aten.acosh, aten.atanh,
+    aten.tan, aten.log2, aten.log10, aten.exp2, aten.xlogy, aten.hypot, aten.logaddexp,
+    aten.softshrink, aten.hardshrink, aten.celu, aten.selu, aten.relu6, aten.threshold,
     # in-place forms (older code: XLM's ``scores.masked_fill_(mask, -inf)``); the write
     # through a view is followed by the engine for every rule
     aten.masked_fill_, aten.clamp_, aten.clamp_min_, aten.clamp_max_, aten.exp_, aten.neg_,

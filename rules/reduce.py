@@ -225,4 +225,45 @@ def pool(an: Analysis, node: torch.fx.Node) -> object:
     return [out, out] if with_indices else out
 
 
-REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm, batch_norm, pool]
+_RESAMPLES = tuple(getattr(aten, n) for n in (
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+    if hasattr(aten, n))
+
+
+@rule(*_RESAMPLES)
+def resample(an: Analysis, node: torch.fx.Node) -> object:
+    """Resizing the positions (dims 2 on) of ``[batch, channels, *positions]`` (a
+    detector's feature pyramid): each channel is resized on its own, a weighted sum of
+    its own positions, so a partial sum passes and features on the channels keep their
+    place; features along the positions are tied, as pooling ties them."""
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v
+    if not isinstance(v, Feat):
+        return None
+    nd = an.ndim(src)
+    return an.feat(an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd))))
+
+
+@rule(aten.im2col)
+def im2col(an: Analysis, node: torch.fx.Node) -> object:
+    """``nn.Unfold``'s sliding blocks: ``[B, C, H, W]`` to ``[B, C * kh * kw, L]``, each
+    channel's ``kh * kw`` taps together in the channel order (ConvBERT's span-based
+    convolution).  Channels' features repeat over their taps; positions are tied."""
+    src = node.args[0]
+    v = an.val(src)
+    if isinstance(v, Partial):
+        return v  # copies of the summed values: linear
+    if not isinstance(v, Feat):
+        return None
+    nd = an.ndim(src)
+    atoms = an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd)))
+    taps = int(np.prod(node.args[1]))
+    channels = atoms.reshape(atoms.shape[:2])
+    return an.feat(np.repeat(channels, taps, axis=1)[..., None])
+
+
+REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm, batch_norm, pool, resample, im2col]

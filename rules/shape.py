@@ -325,6 +325,16 @@ def flip(an: Analysis, node: torch.fx.Node) -> object:
     return Feat(atoms) if isinstance(atoms, np.ndarray) else atoms
 
 
+@rule(aten.roll)
+def roll(an: Analysis, node: torch.fx.Node) -> object:
+    """Positions shifted cyclically (Swin's shifted windows): as ``flip``, features along
+    the other dims keep their place; no dims given rolls the flattened tensor."""
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", ())
+    dims = list(dims) if isinstance(dims, list | tuple) else [dims]
+    atoms = _over_positions(an, node, dims or list(range(max(an.ndim(node), 1))), "roll shifts split features")
+    return Feat(atoms) if isinstance(atoms, np.ndarray) else atoms
+
+
 @rule(aten.select)
 def select(an: Analysis, node: torch.fx.Node) -> object:
     src = node.args[0]
@@ -434,4 +444,4 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
 
 
 SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze,
-               slice_, select, unfold, flip, split, getitem, cat, view_as_complex, view_as_real]
+               slice_, select, unfold, flip, roll, split, getitem, cat, view_as_complex, view_as_real]

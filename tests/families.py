@@ -88,6 +88,22 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, image_size=32, patch_size=8, **kw),
             projection_dim=32, **kw)
+    if name == "llava":  # a vision tower and projector whose features fill the text's image tokens
+        return hf.LlavaForConditionalGeneration, hf.LlavaConfig(
+            text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw),
+            vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8, **kw),
+            image_token_index=3, **kw)
+    if name in ("gemma3_vlm", "gemma3_vlm_whole_vision"):  # SigLIP tower, features pooled to 4 tokens per image, sliding text layers
+        return hf.Gemma3ForConditionalGeneration, hf.Gemma3Config(
+            text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
+                             sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw),
+            vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, image_size=32, patch_size=8, **kw),
+            mm_tokens_per_image=4, image_token_index=3, boi_token_index=4, eoi_token_index=5, **kw)
     if name == "aimv2":  # a pooling head whose output is returned and read on by visual_projection
         return hf.Aimv2Model, hf.Aimv2Config(
             text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -238,6 +254,11 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
     raise KeyError(f"no tiny builder for family {name!r}")
 
 
+class _I0(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.i0(x)
+
+
 def build(name: str, attn: str | None = None, *, meta: bool = False) -> torch.nn.Module:
     """The tiny ``name`` model with seed 0 weights (``attn``: attention implementation)."""
     cls, cfg = _config(name, attn)
@@ -246,6 +267,13 @@ def build(name: str, attn: str | None = None, *, meta: bool = False) -> torch.nn
         with torch.device("meta"):
             return cls(cfg).eval()
     model = cls(cfg).eval()
+    if name == "gemma3_vlm_whole_vision":
+        # an op no rule knows (Bessel's i0) between the vision MLP's column and row: the
+        # image inputs cannot be split, so the text is planned alone, the vision side
+        # whole and never captured (its pooling head's nn.MultiheadAttention reads its
+        # out_proj's weight outside out_proj's forward)
+        for mlp in (m for n, m in model.named_modules() if n.startswith("model.vision_tower") and n.endswith("mlp")):
+            mlp.activation_fn = _I0()
     if name == "aimv2":  # float64: its embeddings are normalised from a small norm, so the head's
         return model.double()  # gradients reach ~400 and fp32 rounds them by ~1e-4 (rel 4e-7)
     if name.startswith("gpt_oss"):  # its expert biases start at zero, which would hide where they are added

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -442,6 +443,27 @@ def test_backward_check_catches_a_partial_gradient_a_rule_forgot() -> None:
     plan = tpcompile.plan_model(model, tp=2)
     assert plan.params["up.weight"].role is Role.COLUMN
     assert plan.params["alpha"].role is Role.GRAD_ALLREDUCE
+
+
+def test_a_rule_that_misplaces_features_is_refused_by_name() -> None:
+    """A rule returning features shaped unlike its value (a flattened refill read as
+    rows, as a masked_scatter rule once did) would deal features to the wrong
+    positions: the op is refused naming the rule, never planned on."""
+    from tpcompile.analysis.propagate import rule
+    from tpcompile.analysis.state import Feat
+
+    @rule(torch.ops.aten.mul)
+    def doubled_mul(an, node):
+        v = an.val(node.args[0])
+        if not isinstance(v, Feat):
+            return None
+        atoms = an.aligned_to(v.atoms, an.ndim(node))
+        return an.feat(np.concatenate([atoms, atoms], axis=-1))  # twice the features there are
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(TPError, match=r"rule doubled_mul gave features shaped \(1, 1, 256\) to a value shaped"):
+        tpcompile.plan_model(model, tp=2, rules=[doubled_mul])
 
 
 def test_overrides_force_replicated_and_reject_contradictions() -> None:

@@ -59,6 +59,13 @@ _ELEMENTWISE = {
 RuleFn = Callable[["Analysis", fx.Node], Any]
 
 
+def _fits(atoms: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Whether feature atoms broadcast onto a value of ``shape`` (size 1 or equal per dim)."""
+    if atoms.ndim > len(shape):
+        return False
+    return all(a in (1, s) for a, s in zip(atoms.shape, shape[len(shape) - atoms.ndim:], strict=True))
+
+
 @dataclass(frozen=True)
 class Rule:
     """A propagation rule: the ops it handles and the function computing their value."""
@@ -299,6 +306,14 @@ class Analysis:
         r = self.rules.find(node.target)
         if r is not None:
             value = r.fn(self, node)
+            if isinstance(value, Feat) and not _fits(value.atoms, self.shape(node)):
+                # a rule's bug (a user rule's too) must not place features at the wrong
+                # positions: the region stays whole, or strict names the rule
+                self.poison_node(node, f"rule {r.name} gave features shaped {tuple(value.atoms.shape)} to "
+                                       f"a value shaped {self.shape(node)} (op {_op_name(node.target)} in "
+                                       f"module {innermost_module(node) or '<root>'})",
+                                 *(self.value.get(a) for a in node.all_input_nodes), unknown_op=True)
+                return None
             if _writes_through_view(node):
                 self.write_through(node, node.args[0], value)
             return value

@@ -58,6 +58,9 @@ def _token_ids(config: Any, batch: int, seq: int, device: Any, gen: torch.Genera
     return torch.randint(0, _vocab(config), (batch, seq), generator=gen).to(device)
 
 
+_DEFAULT_IMAGE_SIZE = 224
+
+
 def _floats(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator | None) -> torch.Tensor:
     if gen is None:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -69,11 +72,12 @@ def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype
     if name == "input_ids":
         return _token_ids(config, batch, seq, device, gen)
     if name == "pixel_values":
-        size = _find(config, "image_size", "img_size", sub=("vision_config",))
-        channels = _find(config, "num_channels", "in_channels", sub=("vision_config",)) or 3
-        if size is None:
-            raise TPError("the model takes pixel_values but its config has no image_size; pass example_inputs=")
-        h, w = _pair(size)
+        towers = ("vision_config", "backbone_config", "encoder_config")
+        size = _find(config, "image_size", "img_size", sub=towers)
+        channels = _find(config, "num_channels", "in_channels", sub=towers) or 3
+        # a convolutional model with no fixed size (ResNet, RegNet, SegFormer, DETR-style
+        # detectors) takes any size: use the crop its image processor produces
+        h, w = _pair(size if size is not None else _DEFAULT_IMAGE_SIZE)
         return _floats((batch, int(channels), h, w), dtype, device, gen)
     if name == "input_features":
         mels = _find(config, "num_mel_bins", sub=("audio_config", "encoder"))
@@ -83,7 +87,8 @@ def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype
             return _floats((batch, int(mels), 2 * int(positions)), dtype, device, gen)
         # a speech encoder's own config (Parakeet, LASR: ``encoder_config.num_mel_bins``)
         audio = ("audio_config", "encoder", "encoder_config")
-        per_frame = _find(config, "input_feat_per_channel", "feature_size", "num_mel_bins", sub=audio)
+        per_frame = _find(config, "input_feat_per_channel", "feature_size", "num_mel_bins",
+                          "feature_projection_input_dim", sub=audio)
         channels = _find(config, "input_channels", sub=audio) or 1
         if per_frame is None:
             raise TPError("the model takes input_features but its config gives no feature size; pass example_inputs=")
@@ -120,6 +125,78 @@ def _tower_inputs(config: Any, params: Any, main: str) -> list[str]:
     return [n for n in _MODALITY_INPUTS if n != main and n in params]
 
 
+def _image_token(config: Any) -> int | None:
+    for name in ("image_token_id", "image_token_index"):
+        v = _find(config, name, sub=("text_config",))
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``pixels`` as the vision side takes them (a batch of images, or of one-image
+    lists as Idefics 3 takes), and how many values it splices into the text for them
+    (``get_image_features``' output, run on fake tensors: no compute, no memory).
+    ``None`` where pixels alone do not decide it (LLaVA-NeXT tiles by the images'
+    sizes, Qwen2-VL by a patch grid: values a shapes-only run does not have)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._pytree import tree_flatten
+
+    from .export import quiet_traces
+    from .fake import as_if_exporting, fake_copy
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    twin = fake_copy(model, mode).eval()
+    for candidate in (pixels, pixels.unsqueeze(1)):
+        with mode:
+            fake = torch.zeros(candidate.shape, dtype=candidate.dtype)
+        try:
+            with quiet_traces(), mode, as_if_exporting(), torch.no_grad():
+                out = twin.get_image_features(pixel_values=fake, return_dict=True)
+        except Exception:  # noqa: BLE001 - not this layout, or more than pixels needed
+            continue
+        leaves = [t for t in tree_flatten(getattr(out, "pooler_output", out))[0] if isinstance(t, torch.Tensor)]
+        total = sum(t.numel() for t in leaves)
+        if leaves and isinstance(total, int):  # not a data-dependent count
+            return candidate, total
+    return None
+
+
+def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq: int, dtype: torch.dtype,
+                    device: Any, gen: torch.Generator | None) -> dict[str, torch.Tensor] | None:
+    """Pixels and token ids holding one placeholder per image feature, for a model that
+    splices its vision tower's output into the text (LLaVA, PaliGemma, Gemma 3), so the
+    capture sees the vision tower and the projector: without them they are never run and
+    stay whole.  ``None`` where the count cannot be read off the model (the tower needs
+    more inputs than pixels): the text alone is captured then."""
+    token = _image_token(config)
+    if token is None or not hasattr(model, "get_image_features") or "pixel_values" not in params:
+        return None
+    width = getattr(getattr(model.get_input_embeddings(), "weight", None), "shape", (0, 0))[-1]
+    if not width:
+        return None
+    try:
+        pixels = _main_input("pixel_values", config, batch, seq, dtype, device, gen)
+    except TPError:
+        return None
+    found = _image_features(model, pixels)
+    if found is None:
+        return None
+    pixels, total = found
+    if total % width or total // width % batch:
+        return None
+    n = total // width // batch
+    ids = _token_ids(config, batch, n + seq, device, gen)
+    specials = {int(v) for v in (_find(config, t, sub=("text_config",)) for t in _SPLICE_TOKENS)
+                if isinstance(v, int) and not isinstance(v, bool)}
+    safe = next(i for i in range(len(specials) + 1) if i not in specials)
+    for v in specials:  # a random id equal to a placeholder would be one too many
+        ids[ids == v] = safe
+    ids[:, 1:1 + n] = token  # after one text token, as a chat template puts them
+    return {"input_ids": ids, "pixel_values": pixels}
+
+
 def _prod(values: Any) -> int:
     out = 1
     for v in values:
@@ -141,6 +218,7 @@ def example_inputs(
     seq: int = 7,
     generator: torch.Generator | None = None,
     labels: bool = False,
+    splice: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Keyword inputs for one forward of ``model``, built from the model itself.
 
@@ -153,6 +231,9 @@ def example_inputs(
             floats); ``None`` gives zeros, enough for tracing.
         labels: also build ``labels`` for a loss (token labels shaped like the
             decoder's or the main input's ids) where the forward takes them.
+        splice: for a model that splices image features into its text at placeholder
+            tokens (LLaVA, Gemma 3), also build ``pixel_values`` and one placeholder per
+            feature; ``False``: the text alone.
 
     Example:
         >>> example_inputs(ViTModel(ViTConfig(image_size=32)))["pixel_values"].shape
@@ -169,7 +250,9 @@ def example_inputs(
         if name != "input_ids":
             raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
         return {next(iter(params), "input_ids"): _token_ids(config, batch, seq, device, generator)}
-    out = {name: _main_input(name, config, batch, seq, dtype, device, generator)}
+    spliced = _spliced_inputs(model, config, params, batch, seq, dtype, device, generator) \
+        if name == "input_ids" and splice else None
+    out = spliced or {name: _main_input(name, config, batch, seq, dtype, device, generator)}
     for other in _tower_inputs(config, params, name):
         try:
             out[other] = _main_input(other, config, batch, seq, dtype, device, generator)

@@ -37,7 +37,7 @@ from ..analysis.selfcheck import (
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture, layer_stacks
-from ..capture.export import cut_to_traced
+from ..capture.export import cut_to_traced, text_only
 from ..capture.fake import call_inputs, shape_trace
 from ..config import check_degree
 from ..errors import TPError
@@ -105,7 +105,19 @@ def plan_model(
     check_degree("ep", ep)
     arguments = dict(tp=tp, loss_parallel=loss_parallel, overrides=overrides, strict=strict,
                      example_inputs=example_inputs, ep=ep, sequence_parallel=sequence_parallel)
-    return cached_plan(plan_key(model, arguments, rules), lambda: _plan(model, rules=rules, **arguments))
+    return cached_plan(plan_key(model, arguments, rules), lambda: _plan_or_text(model, rules=rules, **arguments))
+
+
+def _plan_or_text(model: nn.Module, **arguments: Any) -> Plan:
+    """The plan on the default inputs; where those splice images into the text and the
+    vision side cannot be split (an op no rule knows, a self-check failure), the plan of
+    the text alone, the vision side whole as it was never run (with a warning)."""
+    try:
+        return _plan(model, **arguments)
+    except TPError as err:
+        if arguments["example_inputs"] is not None or not text_only(model, err):
+            raise
+        return _plan(model, **arguments)
 
 
 def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rule | TokenRule] | None,
@@ -441,12 +453,20 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
             fqn=name, role=role, module=owner, global_shape=list(p.shape), local_shape=local,
             shard_dim=lay.dim, layout=kind, runs=runs, tied_to=aliases, expand=expand_runs,
         )
+    captured = {cap.param_of_placeholder[n.name] for n in cap.graph.nodes  # export lists every parameter
+                if n.op == "placeholder" and n.name in cap.param_of_placeholder and n.users}
     for name, pp in plan.params.items():
         for n in [name, *pp.tied_to]:  # the name under which an outside read reaches it
             up = scopes.get(cap.stacks.representative(n))
             if up:  # same number of levels above the owner in every block of a stack
                 pp.scope = ".".join(n.split(".")[:-1 - up])
                 break
+        else:
+            if pp.module and not any(cap.stacks.representative(n) in captured for n in [name, *pp.tied_to]):
+                # never run in the capture (a vision tower the text alone does not reach):
+                # nothing says who reads it, and ``nn.MultiheadAttention`` reads its
+                # ``out_proj``'s weight in its own forward, so the owner's parent swaps it
+                pp.scope = pp.module.rpartition(".")[0]
     for mname, _ in model.named_modules():
         rep = cap.stacks.representative(mname)
         for op in rep_ops.get(rep, {}).values():

@@ -423,15 +423,36 @@ def _fold_ids(value: Any, vocab: int) -> Any:
     return value
 
 
+def _fold_placeholders(data: dict[str, Any], new: dict[str, Any]) -> None:
+    """A multimodal model's placeholder ids (``image_token_index`` on the top config, the
+    vocabulary on ``text_config``) folded into the text's small vocabulary, each to its
+    own id: an image token equal to the video token would take both modalities' slots."""
+    text = data.get("text_config")
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
+    if not isinstance(vocab, int) or vocab <= 0:
+        return
+    taken = {v for k, v in data.items() if k.endswith("token_id") and isinstance(v, int) and v < vocab}
+    for key, value in data.items():
+        if not key.endswith(("_token_id", "_token_index")) or isinstance(value, bool) \
+                or not isinstance(value, int) or value < vocab:
+            continue
+        folded = value % vocab
+        while folded in taken:
+            folded = (folded - 1) % vocab
+        new[key] = folded
+        taken.add(folded)
+
+
 def _shrink_vocab(data: dict[str, Any], new: dict[str, Any], tp: int) -> None:
     if "vocab_size" not in _get(data, ["vocab_size"]):
+        _fold_placeholders(data, new)
         return
     vocab = new["vocab_size"] = size_for_tp(data["vocab_size"], tp, _VOCAB)
     if data.get("decoder_vocab_size") is not None:  # Marian: its own decoder vocabulary
         new["decoder_vocab_size"] = vocab if data["decoder_vocab_size"] == data["vocab_size"] else \
             size_for_tp(data["decoder_vocab_size"], tp, _VOCAB)
     for key, value in data.items():
-        if key.endswith(("token_id", "token_ids", "_tokens")):
+        if key.endswith(("token_id", "token_ids", "_tokens", "_token_index")):
             new[key] = _fold_ids(value, vocab)
 
 
@@ -455,6 +476,10 @@ def _shrink_positions(data: dict[str, Any], new: dict[str, Any]) -> None:
     patch, image = data.get("patch_size"), data.get("image_size")
     if isinstance(patch, int) and isinstance(image, int) and image > patch * _PATCHES_PER_SIDE:
         new["image_size"] = patch * _PATCHES_PER_SIDE
+    tokens = data.get("mm_tokens_per_image")
+    if isinstance(tokens, int) and tokens > _PATCHES_PER_SIDE ** 2:
+        # pooled to a square of tokens per image (Gemma 3): no more than the patches
+        new["mm_tokens_per_image"] = _PATCHES_PER_SIDE ** 2
 
 
 # ---------------------------------------------------------------------------------
