@@ -29,6 +29,7 @@ from tpcompile.analysis.state import (
     Feat,
     ParamRef,
     Partial,
+    RowAddend,
     RowUse,
 )
 
@@ -79,13 +80,15 @@ def linear_like(
     if any(s > 1 for d, s in enumerate(xa.shape) if d != xfd) or xa.shape[xfd] == 1:
         an.poison_node(node, f"{w.fqn} contracts features that vary along other dims", xv)
         return None
-    if bias_fqn is not None and xfd != an.ndim(x) - 1:
-        an.poison_node(node, f"{w.fqn}: a row-parallel contraction adds its bias off the last dim", xv)
-        return None
     k = an.shape(x)[xfd]
     in_atoms = an.atoms.param_atoms(w.fqn, p_in, k)
     an.union(in_atoms, xa.reshape(-1))
-    an.rows.append(RowUse(node, w.fqn, p_in, bias_fqn, module, in_atoms))
+    # a convolution adds its bias on the channels inside the op, before any reduce can:
+    # one rank adds it and the exit's all-reduce sums it once (an addend)
+    inside = bias_fqn is not None and xfd != an.ndim(x) - 1
+    an.rows.append(RowUse(node, w.fqn, p_in, None if inside else bias_fqn, module, in_atoms))
+    if inside:
+        an.row_addends.append(RowAddend(node, bias_fqn, (len(an.rows) - 1,)))
     return Partial((len(an.rows) - 1,))
 
 

@@ -238,6 +238,41 @@ class Upsampled(nn.Module):
         return self.up(x)
 
 
+class Pyramid(nn.Module):
+    """A detector's and a decoder's spatial ops on split channels: resized (nearest,
+    bilinear), shifted (``roll``, Swin's windows), a transposed convolution contracting
+    them, and ``nn.Unfold``'s taps (ConvBERT) read by a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Embedding(VOCAB, HIDDEN)
+        self.up = nn.Conv2d(HIDDEN, 2 * HIDDEN, 1)
+        self.deconv = nn.ConvTranspose2d(2 * HIDDEN, HIDDEN, (2, 1), stride=(2, 1))
+        self.widen = nn.Conv2d(HIDDEN, 2 * HIDDEN, 1)
+        self.mix = nn.Linear(2 * HIDDEN * 3, HIDDEN)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.t(input_ids).transpose(1, 2)[..., None]  # [B, C, S, 1]
+        s = x.shape[2]
+        h = F.gelu(self.up(x))
+        h = F.interpolate(h, scale_factor=(2, 1), mode="nearest")
+        h = torch.roll(h, shifts=1, dims=2)
+        h = F.interpolate(h, size=(s + 1, 2), mode="bilinear", align_corners=False)
+        h = F.gelu(self.widen(self.deconv(h)))
+        return self.mix(F.unfold(h, kernel_size=(3, 1), padding=(1, 0)).transpose(1, 2))
+
+
+def test_spatial_ops_keep_channels_split() -> None:
+    with torch.device("meta"):
+        model = Pyramid()
+    plan = tpcompile.plan_model(model, tp=2)
+    roles = {n: plan.params[f"{n}.weight"].role for n in ("up", "deconv", "widen")}
+    # the transposed convolution's weight is [C_in, C_out, ...]: it contracts dim 0
+    assert roles == {"up": Role.COLUMN, "deconv": Role.ROW, "widen": Role.COLUMN}
+    assert plan.params["deconv.weight"].shard_dim == 0
+    assert plan.params["mix.weight"].shard_dim == 1  # each rank's channels' three taps
+
+
 def test_no_size_read_after_a_gathered_head_is_made_local() -> None:
     with torch.device("meta"):
         model = Upsampled()
@@ -263,11 +298,16 @@ def world2() -> CaseResults:
     """This module's multi-process cases, in one launch."""
     return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,), "wobbles": (_blorp, Wobbles),
                          "sometimes": (_blorp, Sometimes), "tied_read": (_blorp, TiedRead),
-                         "upsampled": (_blorp, Upsampled)})
+                         "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
     for out_err, grad_err in world2["sometimes"]:
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_spatial_ops_on_split_channels_are_exact(world2: CaseResults) -> None:
+    for out_err, grad_err in world2["pyramid"]:
         assert out_err < 1e-5 and grad_err < 1e-5
 
 
