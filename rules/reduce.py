@@ -248,6 +248,40 @@ def resample(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd))))
 
 
+@rule(*(getattr(aten, n) for n in ("grid_sampler_2d", "grid_sampler", "grid_sampler_3d") if hasattr(aten, n)))
+def grid_sample(an: Analysis, node: torch.fx.Node) -> object:
+    """``grid_sample(input [N, C, *in], grid [N, *out, k])``: sample ``n`` of the output,
+    channel ``c``, reads channel ``c`` of input sample ``n`` at the grid's points (a
+    deformable attention's values, heads folded into ``N`` and sampled at offsets each
+    head computes).  Features on ``N`` tie input and grid sample for sample; on ``C``
+    they pass; along the positions, or across the grid's coordinates, they are tied."""
+    src, grid = node.args[:2]
+    v, g = an.val(src), an.val(grid)
+    if isinstance(g, Partial):
+        an.reduce_partials(node)
+        g = None
+    if isinstance(v, Partial):
+        if g is None:
+            return v  # linear in the input for a fixed grid
+        an.reduce_partials(node)
+        v = None
+    nd = an.ndim(node)
+    parts = []
+    if isinstance(v, Feat):
+        parts.append(an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd))))
+    if isinstance(g, Feat):
+        atoms = an.union_along(an.aligned_to(g.atoms, nd), list(range(1, nd)))  # one unit per sample
+        parts.append(atoms)
+    if not parts:
+        return None
+    out = an.tie(parts)
+    for arg, val in ((src, v), (grid, g)):
+        if not isinstance(val, Feat) and isinstance(arg, torch.fx.Node):
+            shape = an.shape(arg)  # only dim 0 lines up with the output's
+            an.aligned.append(Aligned(node, arg, out, (shape[0],) + (1,) * (nd - 1), arg in an.tainted))
+    return an.feat(out)
+
+
 @rule(aten.im2col)
 def im2col(an: Analysis, node: torch.fx.Node) -> object:
     """``nn.Unfold``'s sliding blocks: ``[B, C, H, W]`` to ``[B, C * kh * kw, L]``, each
@@ -266,4 +300,5 @@ def im2col(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.repeat(channels, taps, axis=1)[..., None])
 
 
-REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm, batch_norm, pool, resample, im2col]
+REDUCE_RULES = [reduction, softmax, triangle, layer_norm, group_norm, batch_norm, pool, resample, grid_sample,
+                im2col]

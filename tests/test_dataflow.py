@@ -262,6 +262,36 @@ class Pyramid(nn.Module):
         return self.mix(F.unfold(h, kernel_size=(3, 1), padding=(1, 0)).transpose(1, 2))
 
 
+class Deformable(nn.Module):
+    """A deformable attention's sampling (RT-DETR, Mask2Former): each head's values,
+    heads folded into the batch dim, sampled at points the head computes itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Embedding(VOCAB, HIDDEN)
+        self.heads, self.head_dim = 4, HIDDEN // 4
+        self.value = nn.Linear(HIDDEN, HIDDEN)
+        self.offsets = nn.Linear(HIDDEN, 4 * 2)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.t(input_ids)
+        b, s, _ = x.shape
+        h, d = self.heads, self.head_dim
+        v = self.value(x).view(b, s, h, d).permute(0, 2, 3, 1).reshape(b * h, d, s, 1)
+        grid = torch.tanh(self.offsets(x)).view(b, s, h, 1, 2).permute(0, 2, 1, 3, 4).reshape(b * h, s, 1, 2)
+        sampled = F.grid_sample(v, grid, align_corners=False)  # [b * heads, head_dim, s, 1]
+        return self.out(sampled.view(b, h, d, s).permute(0, 3, 1, 2).reshape(b, s, h * d))
+
+
+def test_deformable_sampling_splits_heads() -> None:
+    with torch.device("meta"):
+        model = Deformable()
+    plan = tpcompile.plan_model(model, tp=2)
+    roles = {n: plan.params[f"{n}.weight"].role for n in ("value", "offsets", "out")}
+    assert roles == {"value": Role.COLUMN, "offsets": Role.COLUMN, "out": Role.ROW}
+
+
 def test_spatial_ops_keep_channels_split() -> None:
     with torch.device("meta"):
         model = Pyramid()
@@ -298,7 +328,8 @@ def world2() -> CaseResults:
     """This module's multi-process cases, in one launch."""
     return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,), "wobbles": (_blorp, Wobbles),
                          "sometimes": (_blorp, Sometimes), "tied_read": (_blorp, TiedRead),
-                         "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid)})
+                         "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
+                         "deformable": (_blorp, Deformable)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
@@ -308,6 +339,11 @@ def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
 
 def test_spatial_ops_on_split_channels_are_exact(world2: CaseResults) -> None:
     for out_err, grad_err in world2["pyramid"]:
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_deformable_sampling_is_exact(world2: CaseResults) -> None:
+    for out_err, grad_err in world2["deformable"]:
         assert out_err < 1e-5 and grad_err < 1e-5
 
 
