@@ -187,14 +187,30 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
     if total % width or total // width % batch:
         return None
     n = total // width // batch
-    ids = _token_ids(config, batch, n + seq, device, gen)
-    specials = {int(v) for v in (_find(config, t, sub=("text_config",)) for t in _SPLICE_TOKENS)
-                if isinstance(v, int) and not isinstance(v, bool)}
+    positions = _find(config, "max_position_embeddings", sub=("text_config",))
+    if isinstance(positions, int) and n + seq > positions:
+        return None  # more image features than the text's context holds
+    rows = model.get_input_embeddings().weight.shape[0]  # the table, where the config's vocabulary differs
+    ids = _token_ids(config, batch, n + seq, device, gen) % rows
+    specials = _special_ids(config)
     safe = next(i for i in range(len(specials) + 1) if i not in specials)
-    for v in specials:  # a random id equal to a placeholder would be one too many
+    for v in specials:  # text drawing a placeholder (or an image's indicator) would be one too many
         ids[ids == v] = safe
     ids[:, 1:1 + n] = token  # after one text token, as a chat template puts them
     return {"input_ids": ids, "pixel_values": pixels}
+
+
+def _special_ids(config: Any) -> set[int]:
+    """Every token id the config names (placeholders, indicators, bos / eos / pad)."""
+    out: set[int] = set()
+    for holder in (config, getattr(config, "text_config", None)):
+        for key, v in (vars(holder).items() if holder is not None else ()):
+            if not key.endswith(("token_id", "token_index", "token_ids")):
+                continue
+            for i in v if isinstance(v, list | tuple) else [v]:
+                if isinstance(i, int) and not isinstance(i, bool):
+                    out.add(i)
+    return out
 
 
 def _prod(values: Any) -> int:
