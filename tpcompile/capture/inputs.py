@@ -188,8 +188,9 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
         return None
     n = total // width // batch
     positions = _find(config, "max_position_embeddings", sub=("text_config",))
-    if isinstance(positions, int) and n + seq > positions:
-        return None  # more image features than the text's context holds
+    if isinstance(positions, int) and n + seq > positions and any(
+            isinstance(m, nn.Embedding) and positions <= m.num_embeddings <= positions + 2 for m in model.modules()):
+        return None  # more image features than a learned position table holds (BART's has 2 more rows)
     rows = model.get_input_embeddings().weight.shape[0]  # the table, where the config's vocabulary differs
     ids = _token_ids(config, batch, n + seq, device, gen) % rows
     specials = _special_ids(config)
