@@ -231,6 +231,35 @@ def test_shared_inputs_come_from_the_graph() -> None:
     }
 
 
+class _Normed(torch.nn.Module):
+    """Batch norm over split channels between a column and a row, on token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = torch.nn.Embedding(256, 64)
+        self.up = torch.nn.Linear(64, 128)
+        self.norm = torch.nn.BatchNorm1d(128)
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.t(input_ids)).transpose(1, 2)
+        return self.down(torch.relu(self.norm(h)).transpose(1, 2))
+
+
+def test_running_statistics_gathered_back_are_priced_in_training_only() -> None:
+    with torch.device("meta"):
+        model = _Normed()
+    plan = tpcompile.plan_model(model, 2)
+    issues, _ = trace_collectives(model, plan)
+    gathered = sorted((i.what, i.op, i.phase, i.fixed_bytes, i.training) for i in issues if i.source == "norm")
+    # each rank's 64 rows of each statistic (float32), all-gathered after a training forward
+    assert gathered == [("updated buffer running_mean", "all_gather", "forward", 256, True),
+                        ("updated buffer running_var", "all_gather", "forward", 256, True)]
+    cost = estimate_cost(model, plan, batch=BATCH, seq=SEQ)
+    assert cost["per_step"]["forward"]["all_gather"]["count"] == 2
+    assert cost["eval_step"]["labels"]["all_gather"]["count"] == 0  # eval leaves the statistics alone
+
+
 def test_cost_without_tokens_is_per_token() -> None:
     model = _build("llama", {}, meta=True)
     plan = tpcompile.plan_model(model, 2)

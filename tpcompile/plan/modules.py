@@ -73,6 +73,7 @@ class Hook(str, enum.Enum):
     REPLICA_SUM = "replica_sum"  # the gradient sum over the copies of a KV-replicated parameter
     STAT_REDUCE = "stat_reduce"  # sum_over_tp of a partial statistic (forward)
     STAT_GRAD = "stat_grad"  # ... and of its gradient (backward)
+    BUFFER_GATHER = "buffer_gather"  # gather_from_tp of a sliced buffer a training forward updated
 
 
 _PHASE_OP = {
@@ -85,6 +86,7 @@ _PHASE_OP = {
     Hook.REPLICA_SUM: ("backward", "all_reduce"),
     Hook.STAT_REDUCE: ("forward", "all_reduce"),
     Hook.STAT_GRAD: ("backward", "all_reduce"),
+    Hook.BUFFER_GATHER: ("forward", "all_gather"),
 }
 
 
@@ -310,7 +312,8 @@ class SliceBuffers(ModuleOp):
                                                 for e in self.slices))
 
     def collectives(self) -> list[Collective]:
-        return []
+        # a training forward only: what a training step prices
+        return [Collective(hook=Hook.BUFFER_GATHER, param=path) for path in self.updated]
 
     def local(self, buffer: Any, i: int, rank: int, where: str = "") -> Any:
         """``rank``'s rows of the ``i``-th sliced buffer (padding rows: zeros)."""

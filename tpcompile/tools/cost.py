@@ -257,6 +257,10 @@ def trace_collectives(model: nn.Module, plan: Plan, cap: Capture | None = None) 
                     what = f"partial statistic {node.name}" + (" (grad)" if c.hook is Hook.STAT_GRAD else "")
                     issues.append(Issue(**base, count=blocks, what=what,
                                         bytes_per_token=Fraction(_nbytes(node), tokens)))
+            elif c.hook is Hook.BUFFER_GATHER:  # this rank's rows of an updated running statistic
+                buffer = model.get_buffer(f"{call.fqn}.{c.param}")
+                issues.append(Issue(**base, count=blocks, what=f"updated buffer {c.param}", training=True,
+                                    fixed_bytes=buffer.numel() * buffer.dtype.itemsize // plan.tp))
             else:  # GRAD_SUM / REPLICA_SUM: the parameter's gradient
                 pp = plan.params[f"{call.fqn}.{c.param}"]
                 shape = pp.global_shape if c.hook is Hook.REPLICA_SUM else pp.local_shape

@@ -34,6 +34,7 @@ class Issue:
     fixed_bytes: int = 0
     what: str = ""
     label: str = ""  # every module the source stands for: model.layers.{0..31}.mlp.up_proj
+    training: bool = False  # a training forward's only (BatchNorm's updated running statistics)
 
     def bytes(self, tokens: int) -> Fraction:
         return self.count * (self.bytes_per_token * tokens + self.fixed_bytes)
@@ -159,8 +160,9 @@ def eval_step(issues: list[Issue], tokens: int | None, per_step: dict[str, dict[
     """An evaluation loop's forward under ``no_grad``: the training forward's collectives
     (``per_step["forward"]``: FSDP2 gathers every unit in it as in training, FP8 takes its
     amaxes) with labels, and without them (no loss, none of its collectives)."""
-    return {"labels": per_step["forward"],
-            "no_labels": totals([i for i in issues if i.source != "loss"], tokens)["forward"]}
+    evaluated = [i for i in issues if not i.training]
+    labels = per_step["forward"] if len(evaluated) == len(issues) else totals(evaluated, tokens)["forward"]
+    return {"labels": labels, "no_labels": totals([i for i in evaluated if i.source != "loss"], tokens)["forward"]}
 
 
 def input_guard(tp: int, cp: int) -> dict[str, Any]:
