@@ -74,6 +74,10 @@ CASES_TP2 = [
     # ... and where the vision side cannot split, the text alone is planned (it crashed
     # in the uncaptured tower's attention pooling at run time)
     ("gemma3_vlm_whole_vision", "sdpa"),
+    # the self-check traces the capture's own inputs: rebuilt from the localized copy, the
+    # placeholders could not be counted, the vision side went unchecked and Janus's
+    # attention (reshape(-1, num_heads, ...)) crashed at run time on a global head count
+    ("janus", None),
 ]
 SAVED = {"t5", "mamba", "deepseek_v3", "phi3", "bart", "falcon_uneven", "llama_straddle", "phi3_straddle"}  # save_pretrained -> from_pretrained checked
 PADDED = {"mpt", "bloom"}  # also a padded batch of another size

@@ -108,6 +108,9 @@ class Capture:
     # module FQN -> its call signature (graph nodes of its inputs and outputs, and how
     # they map to the forward's arguments), for the modules capture was asked to keep
     signatures: dict[str, Any] = field(default_factory=dict)
+    # the keyword inputs traced (built from the model when none were given): every later
+    # trace that must match this one (the self-check's localized copy) takes the same
+    example_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]:
@@ -448,6 +451,7 @@ def capture(
         stacks=layer_stacks,
         seconds=time.perf_counter() - start,
         signatures={e.fqn: e.signature for e in ep.module_call_graph if e.fqn in preserve},
+        example_kwargs=dict(example_kwargs or {}),
     )
     if memo_key is not None:
         _MEMO[model] = (memo_key, cap)

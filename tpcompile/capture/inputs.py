@@ -133,6 +133,15 @@ def _image_token(config: Any) -> int | None:
     return None
 
 
+def _image_side(model: nn.Module) -> Any:
+    """The module with ``get_image_features``: the model, or the base model a head
+    wraps (Janus's ``JanusForConditionalGeneration.model``)."""
+    for holder in (model, getattr(model, "model", None)):
+        if holder is not None and hasattr(holder, "get_image_features"):
+            return holder
+    return None
+
+
 def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """``pixels`` as the vision side takes them (a batch of images, or of one-image
     lists as Idefics 3 takes), and how many values it splices into the text for them
@@ -147,7 +156,7 @@ def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[torch.Tenso
     from .fake import as_if_exporting, fake_copy
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    twin = fake_copy(model, mode).eval()
+    twin = _image_side(fake_copy(model, mode).eval())
     for candidate in (pixels, pixels.unsqueeze(1)):
         with mode:
             fake = torch.zeros(candidate.shape, dtype=candidate.dtype)
@@ -171,7 +180,7 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
     stay whole.  ``None`` where the count cannot be read off the model (the tower needs
     more inputs than pixels): the text alone is captured then."""
     token = _image_token(config)
-    if token is None or not hasattr(model, "get_image_features") or "pixel_values" not in params:
+    if token is None or _image_side(model) is None or "pixel_values" not in params:
         return None
     width = getattr(getattr(model.get_input_embeddings(), "weight", None), "shape", (0, 0))[-1]
     if not width:

@@ -287,14 +287,18 @@ def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
     Candidates whose local value does not change the traced graph are dropped; sizes
     two attributes share globally are resolved by trying assignments; whatever remains
     inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
-    signature = _signature(model, example_inputs)
+    # the capture's own inputs: built again from a localized copy (or from the model with
+    # a trial attribute), a vision-language model's placeholders could no longer be counted
+    # and its vision side would go unchecked (Janus crashed at run time so)
+    traced = example_inputs if example_inputs is not None else cap.example_kwargs or None
+    signature = _signature(model, traced)
     fixups, ambiguous = find_fixups(a, model, gathered=gathered)
     if fixups:
         fixups = verify_fixups(model, fixups, signature)
 
     def trace(shadow: nn.Module) -> fx.Graph:
-        inputs = None if example_inputs is None else {
-            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+        inputs = None if traced is None else {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in traced.items()}
         # traced as the plan's graph was: a plan captured whole (a sharded value crossed a
         # cut block) is compared with a whole local trace, not one cut to fewer blocks
         return capture(shadow, example_kwargs=inputs, cut_stacks=bool(cap.stacks.members)).graph
