@@ -37,7 +37,7 @@ __all__ = ["GENERATES", "build"]
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text", "mpt", "bloom",
+             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 

@@ -128,9 +128,12 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
             torch.equal(sd[k], want[k]) for k in want)
     if name in GENERATES:
         kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-        prompt = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+        if "pixel_values" in inputs:  # an image and its placeholders, then text
+            prompt = example_inputs(ref, batch=2, seq=5, generator=torch.Generator().manual_seed(3))
+        else:
+            prompt = {"input_ids": torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(3))}
         with torch.no_grad():
-            result["generate"] = model.generate(prompt, **kw).tolist() == ref.generate(prompt, **kw).tolist()
+            result["generate"] = model.generate(**prompt, **kw).tolist() == ref.generate(**prompt, **kw).tolist()
     if name in SAVED and attn != "eager":
         path = os.path.join(tmp, f"{name}-{attn}")
         tpcompile.save_pretrained(model, path)
