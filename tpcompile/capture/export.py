@@ -30,7 +30,6 @@ import itertools
 import logging
 import sys
 import time
-import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,13 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .inputs import _EXAMPLE_BATCH, _EXAMPLE_SEQ, _example_inputs, text_only  # noqa: F401 - re-exported
+
 __all__ = ["Capture", "LayerStacks", "capture", "cut_to_traced", "data_dependent", "every_position_nonzero", "layer_stacks",
            "quiet_traces", "structural_signature"]
-
-# Example sizes that cannot be mistaken for model sizes in the traced graph's shape
-# constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
-_EXAMPLE_BATCH = 1
-_EXAMPLE_SEQ = 7
 
 
 def structural_signature(module: nn.Module) -> tuple:
@@ -170,36 +166,6 @@ def _truncated(model: nn.Module, stacks: dict[str, tuple[nn.ModuleList, list[int
                 m.__dict__.pop(_HOOKED, None)
             else:
                 m.__dict__[_HOOKED] = mark
-
-
-def _example_inputs(model: nn.Module, splice: bool = True) -> tuple[tuple, dict]:
-    from .inputs import example_inputs
-
-    splice = splice and model not in _TEXT_ONLY
-    return (), example_inputs(model, batch=_EXAMPLE_BATCH, seq=_EXAMPLE_SEQ, splice=splice)
-
-
-# Models whose image inputs the capture could not trace: every later default capture and
-# fake forward of them takes the text alone, so all agree on one graph
-_TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def text_only(model: nn.Module, err: Exception) -> bool:
-    """After a default capture or plan of ``model`` failed on image inputs spliced into
-    its text: whether the text alone can stand in for them.  If so the model is marked
-    (every later default capture and fake forward of it takes the text alone) and a
-    warning names what stays whole."""
-    if model in _TEXT_ONLY or set(_example_inputs(model)[1]) == set(_example_inputs(model, splice=False)[1]):
-        return False
-    _TEXT_ONLY.add(model)
-    warnings.warn(
-        f"tpcompile: {type(model).__name__} did not capture or split with its image inputs "
-        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); planned the text alone, "
-        "so its vision side stays whole. Pass example_inputs= with pixel_values and their placeholder "
-        "tokens to split it.",
-        stacklevel=3,
-    )
-    return True
 
 
 def _layer_stacks(stacks: dict[str, tuple[nn.ModuleList, list[int]]]) -> LayerStacks:

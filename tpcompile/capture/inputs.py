@@ -10,11 +10,18 @@ and extra required arguments from the forward signature.  A dual-tower model (CL
 SigLIP: one sub-config per modality, no placeholder token that splices one modality into
 the other's sequence) needs every modality its forward takes, so each is built too.  A
 model this cannot serve gets a :class:`TPError` asking for ``example_inputs=``.
+
+A vision-language model (an image token in its config, ``get_image_features``) also
+gets ``pixel_values`` and one placeholder per image feature, so its vision side is
+captured.  :func:`text_only` marks a model whose image inputs could not be captured or
+split: every later default batch of it is the text alone, so all traces agree.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -59,6 +66,10 @@ def _token_ids(config: Any, batch: int, seq: int, device: Any, gen: torch.Genera
 
 
 _DEFAULT_IMAGE_SIZE = 224
+# Example sizes that cannot be mistaken for model sizes in the traced graph's shape
+# constants: the fix-up pass skips constants <= 1, and no model has 7 heads.
+_EXAMPLE_BATCH = 1
+_EXAMPLE_SEQ = 7
 
 
 def _floats(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator | None) -> torch.Tensor:
@@ -295,3 +306,31 @@ def example_inputs(
         if ref is not None:
             out["labels"] = _token_ids(config, batch, ref.shape[1], device, generator)
     return out
+
+
+def _example_inputs(model: nn.Module, splice: bool = True) -> tuple[tuple, dict]:
+    splice = splice and model not in _TEXT_ONLY
+    return (), example_inputs(model, batch=_EXAMPLE_BATCH, seq=_EXAMPLE_SEQ, splice=splice)
+
+
+# Models whose image inputs the capture could not trace: every later default capture and
+# fake forward of them takes the text alone, so all agree on one graph
+_TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def text_only(model: nn.Module, err: Exception) -> bool:
+    """After a default capture or plan of ``model`` failed on image inputs spliced into
+    its text: whether the text alone can stand in for them.  If so the model is marked
+    (every later default capture and fake forward of it takes the text alone) and a
+    warning names what stays whole."""
+    if model in _TEXT_ONLY or set(_example_inputs(model)[1]) == set(_example_inputs(model, splice=False)[1]):
+        return False
+    _TEXT_ONLY.add(model)
+    warnings.warn(
+        f"tpcompile: {type(model).__name__} did not capture or split with its image inputs "
+        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); planned the text alone, "
+        "so its vision side stays whole. Pass example_inputs= with pixel_values and their placeholder "
+        "tokens to split it.",
+        stacklevel=3,
+    )
+    return True

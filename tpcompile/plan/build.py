@@ -37,8 +37,9 @@ from ..analysis.selfcheck import (
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture, layer_stacks
-from ..capture.export import cut_to_traced, text_only
+from ..capture.export import cut_to_traced
 from ..capture.fake import call_inputs, shape_trace
+from ..capture.inputs import text_only
 from ..config import check_degree
 from ..errors import TPError
 from .cache import cached_plan, plan_key
@@ -244,7 +245,7 @@ def _entry_paths(model: nn.Module, example_inputs: dict[str, Any] | None) -> Ent
 def _larger_inputs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
     """The capture's inputs with more sequences (and, when built from the model, more
     tokens): every tensor whose first dim is the batch is repeated along it."""
-    from ..capture.export import _EXAMPLE_BATCH, _EXAMPLE_SEQ
+    from ..capture.inputs import _EXAMPLE_BATCH, _EXAMPLE_SEQ
     from ..capture.inputs import example_inputs as build_inputs
 
     if example_inputs is None:
