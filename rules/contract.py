@@ -298,35 +298,50 @@ def conv(an: Analysis, node: torch.fx.Node) -> object:
     linear (replicated input), or input channels like a row linear (partial sums).  A
     depthwise conv (``groups == C_in == C_out``, a state-space mixer's) is channel-wise:
     each output channel follows its input channel, and so do the weight's and bias's
-    rows; ``groups`` becomes rank-local (a fix-up).
+    rows; ``groups`` becomes rank-local (a fix-up).  ``aten.convolution`` with
+    ``transposed=True`` is :func:`conv_transpose`'s.
     """
-    x, w = node.args[:2]
-    bias = node.args[2] if len(node.args) > 2 else None
     packet = getattr(node.target, "overloadpacket", node.target)
     generic = packet in (aten.convolution, aten._convolution)
-    if generic and node.args[6]:
-        return _transposed(an, node, node.args[8])
     groups = node.args[8] if generic else (node.args[6] if len(node.args) > 6 else 1)
+    return _convolution(an, node, groups, transposed=generic and bool(node.args[6]))
+
+
+@rule(aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d)
+def conv_transpose(an: Analysis, node: torch.fx.Node) -> object:
+    """Transposed convolutions (an upsampling decoder's, a vocoder's): the weight is
+    ``[C_in, C_out / groups, *kernel]``, so with ``groups == 1`` dim 0 is contracted and
+    dim 1 gives the output channels, the other way round from :func:`conv`; grouped
+    ones on split channels are refused."""
+    return _convolution(an, node, node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1),
+                        transposed=True)
+
+
+def _convolution(an: Analysis, node: torch.fx.Node, groups: int, *, transposed: bool) -> object:
+    x, w = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else None
+    kind = "transposed convolution" if transposed else "convolution"
     xv, wv = an.val(x), an.val(w)
     if isinstance(xv, Partial):
         an.reduce_partials(node)
         xv = None
     if not isinstance(wv, ParamRef):
         if isinstance(xv, Feat) or isinstance(wv, Feat):
-            an.poison_node(node, "convolution with a computed kernel", xv, wv)
+            an.poison_node(node, f"{kind} with a computed kernel", xv, wv)
         return None
     nd = an.ndim(node)
     c_out, c_in = an.shape(w)[0], an.shape(x)[1]
     if groups == 1:
         if xv is not None and not _channels_only(an, x, xv):
-            an.poison_node(node, "convolution over features that vary along other dims", xv)
+            an.poison_node(node, f"{kind} over features that vary along other dims", xv)
             return None
-        return linear_like(an, node, x, ParamRef(wv.fqn, (wv.dims[1], wv.dims[0])), 0, 1, bias,
-                           feature_dim=1)
+        # linear_like reads the weight as [in, out]: a transposed one already is
+        weight = wv if transposed else ParamRef(wv.fqn, (wv.dims[1], wv.dims[0]))
+        return linear_like(an, node, x, weight, 0, 1, bias, feature_dim=1)
     if not isinstance(xv, Feat):
         return None
-    if not (groups == c_in == c_out) or not _channels_only(an, x, xv):
-        an.poison_node(node, f"grouped convolution (groups={groups}) on sharded channels", xv)
+    if transposed or not (groups == c_in == c_out) or not _channels_only(an, x, xv):
+        an.poison_node(node, f"grouped {kind} (groups={groups}) on sharded channels", xv)
         return None
     atoms = an.aligned_to(xv.atoms, nd)
     an.aligned.append(Aligned(node, ParamRef(wv.fqn, (None, wv.dims[0]) + (None,) * (nd - 2)), atoms,
@@ -336,32 +351,6 @@ def conv(an: Analysis, node: torch.fx.Node) -> object:
         an.aligned.append(Aligned(node, ParamRef(bv.fqn, (None, bv.dims[0]) + (None,) * (nd - 2)), atoms,
                                   (1, c_out) + (1,) * (nd - 2), True))
     return an.feat(atoms)  # channel c of the output is channel c of the input
-
-
-@rule(aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d)
-def conv_transpose(an: Analysis, node: torch.fx.Node) -> object:
-    """Transposed convolutions (an upsampling decoder's, a vocoder's): the weight is
-    ``[C_in, C_out / groups, *kernel]``, so with ``groups == 1`` dim 0 is contracted and
-    dim 1 gives the output channels, the other way round from :func:`conv`."""
-    return _transposed(an, node, node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1))
-
-
-def _transposed(an: Analysis, node: torch.fx.Node, groups: int) -> object:
-    x, w = node.args[:2]
-    bias = node.args[2] if len(node.args) > 2 else None
-    xv, wv = an.val(x), an.val(w)
-    if isinstance(xv, Partial):
-        an.reduce_partials(node)
-        xv = None
-    if not isinstance(wv, ParamRef) or groups != 1:
-        if isinstance(xv, Feat) or isinstance(wv, Feat):
-            an.poison_node(node, "transposed convolution with a computed kernel" if groups == 1 else
-                           f"grouped transposed convolution (groups={groups}) on sharded channels", xv, wv)
-        return None
-    if xv is not None and not _channels_only(an, x, xv):
-        an.poison_node(node, "transposed convolution over features that vary along other dims", xv)
-        return None
-    return linear_like(an, node, x, wv, 0, 1, bias, feature_dim=1)
 
 
 def _channels_only(an: Analysis, x: torch.fx.Node, v: Feat) -> bool:

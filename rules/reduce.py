@@ -205,6 +205,12 @@ _POOLS_WITH_INDICES = {getattr(aten, n) for n in ("max_pool2d_with_indices", "ma
                                                   "adaptive_max_pool3d") if hasattr(aten, n)}
 
 
+def _positions_tied(an: Analysis, v: Feat, nd: int) -> np.ndarray:
+    """``v``'s atoms at rank ``nd`` (``[batch, channels, *positions]``) with the features
+    along the positions (dims 2 on) tied: an op over each channel's positions."""
+    return an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd)))
+
+
 @rule(*_POOLS)
 def pool(an: Analysis, node: torch.fx.Node) -> object:
     """Pooling over the positions (dims 2 on) of ``[batch, channels, *positions]``: each
@@ -219,9 +225,7 @@ def pool(an: Analysis, node: torch.fx.Node) -> object:
         return [None, None] if with_indices else None
     if not isinstance(v, Feat):
         return [None, None] if with_indices else None
-    nd = an.ndim(src)
-    atoms = an.aligned_to(v.atoms, nd)
-    out = an.feat(an.union_along(atoms, list(range(2, nd))) if nd > 2 else atoms)
+    out = an.feat(_positions_tied(an, v, an.ndim(src)))
     return [out, out] if with_indices else out
 
 
@@ -244,8 +248,7 @@ def resample(an: Analysis, node: torch.fx.Node) -> object:
         return v
     if not isinstance(v, Feat):
         return None
-    nd = an.ndim(src)
-    return an.feat(an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd))))
+    return an.feat(_positions_tied(an, v, an.ndim(src)))
 
 
 @rule(*(getattr(aten, n) for n in ("grid_sampler_2d", "grid_sampler", "grid_sampler_3d") if hasattr(aten, n)))
@@ -268,7 +271,7 @@ def grid_sample(an: Analysis, node: torch.fx.Node) -> object:
     nd = an.ndim(node)
     parts = []
     if isinstance(v, Feat):
-        parts.append(an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd))))
+        parts.append(_positions_tied(an, v, nd))
     if isinstance(g, Feat):
         atoms = an.union_along(an.aligned_to(g.atoms, nd), list(range(1, nd)))  # one unit per sample
         parts.append(atoms)
@@ -293,8 +296,7 @@ def im2col(an: Analysis, node: torch.fx.Node) -> object:
         return v  # copies of the summed values: linear
     if not isinstance(v, Feat):
         return None
-    nd = an.ndim(src)
-    atoms = an.union_along(an.aligned_to(v.atoms, nd), list(range(2, nd)))
+    atoms = _positions_tied(an, v, an.ndim(src))
     taps = int(np.prod(node.args[1]))
     channels = atoms.reshape(atoms.shape[:2])
     return an.feat(np.repeat(channels, taps, axis=1)[..., None])

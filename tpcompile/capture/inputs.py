@@ -193,14 +193,11 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
     token = _image_token(config)
     if token is None or _image_side(model) is None or "pixel_values" not in params:
         return None
-    width = getattr(getattr(model.get_input_embeddings(), "weight", None), "shape", (0, 0))[-1]
-    if not width:
+    table = getattr(model.get_input_embeddings(), "weight", None)
+    if table is None or table.dim() != 2:
         return None
-    try:
-        pixels = _main_input("pixel_values", config, batch, seq, dtype, device, gen)
-    except TPError:
-        return None
-    found = _image_features(model, pixels)
+    rows, width = table.shape  # the table's rows, where the config's vocabulary differs
+    found = _image_features(model, _main_input("pixel_values", config, batch, seq, dtype, device, gen))
     if found is None:
         return None
     pixels, total = found
@@ -211,7 +208,6 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
     if isinstance(positions, int) and n + seq > positions and any(
             isinstance(m, nn.Embedding) and positions <= m.num_embeddings <= positions + 2 for m in model.modules()):
         return None  # more image features than a learned position table holds (BART's has 2 more rows)
-    rows = model.get_input_embeddings().weight.shape[0]  # the table, where the config's vocabulary differs
     ids = _token_ids(config, batch, n + seq, device, gen) % rows
     specials = _special_ids(config)
     safe = next(i for i in range(len(specials) + 1) if i not in specials)

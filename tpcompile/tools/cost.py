@@ -527,7 +527,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
     return {
         "tp": plan.tp, "dp_shard": dp_shard, "cp": cp, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
         "per_step": per_step,
-        "eval_step": eval_step(issues, tokens, per_step),
+        "eval_step": eval_step(issues, tokens),
         "input_guard": input_guard(plan.tp, cp),
         "memory_per_rank": mem,
         "activations": activations,

@@ -155,14 +155,14 @@ def totals(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[
     return out
 
 
-def eval_step(issues: list[Issue], tokens: int | None, per_step: dict[str, dict[str, dict[str, Any]]]
-              ) -> dict[str, dict[str, dict[str, Any]]]:
+def eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, dict[str, Any]]]:
     """An evaluation loop's forward under ``no_grad``: the training forward's collectives
-    (``per_step["forward"]``: FSDP2 gathers every unit in it as in training, FP8 takes its
-    amaxes) with labels, and without them (no loss, none of its collectives)."""
+    (FSDP2 gathers every unit in it as in training, FP8 takes its amaxes) but those only
+    a training forward issues (BatchNorm's running statistics), with labels, and without
+    them (no loss, none of its collectives)."""
     evaluated = [i for i in issues if not i.training]
-    labels = per_step["forward"] if len(evaluated) == len(issues) else totals(evaluated, tokens)["forward"]
-    return {"labels": labels, "no_labels": totals([i for i in evaluated if i.source != "loss"], tokens)["forward"]}
+    return {"labels": totals(evaluated, tokens)["forward"],
+            "no_labels": totals([i for i in evaluated if i.source != "loss"], tokens)["forward"]}
 
 
 def input_guard(tp: int, cp: int) -> dict[str, Any]:
