@@ -8,12 +8,14 @@ sharing the host's cores):
    (every rank multiplying at once, the links of a gloo group of ``world``);
 2. :func:`tpcompile.tools.layout.price_layouts` prices each listed layout on that
    profile, exactly as ``plan_layout`` / ``dump-plan --auto`` price it;
-3. one launch of ``world`` fresh processes runs every layout in turn on the same global
-   batch (each data-parallel rank takes its share; a pipeline splits it into the
-   layout's microbatches): the model built on the meta device and initialised by
-   ``parallelize(seed=0)``, one warm-up step, then timed steps of ``pipeline_step`` +
-   AdamW, barrier to barrier (the slowest rank), median; then one more step under the
-   profiler for memory.
+3. one launch of ``world`` fresh processes builds every layout (the model on the meta
+   device, initialised by ``parallelize(seed=0)``), then steps them in rounds on the same
+   global batch (each data-parallel rank takes its share; a pipeline splits it into the
+   layout's microbatches): each round one step of every layout, rotating which goes
+   first, so a shared host's load, which drifts over minutes, falls on every layout
+   alike; one warm-up round, then timed steps of ``pipeline_step`` + AdamW, barrier to
+   barrier (the slowest rank), median over the rounds; then one more step of each under
+   the profiler for memory.
 
 Reported: Spearman's rank correlation of predicted and measured step times over the
 layouts (issue target ≥ 0.8), the measured time of the predicted best against the
@@ -67,7 +69,7 @@ class Scenario:
     batch: int = 8  # global sequences per step
     seq: int = 256
     warmup: int = 1
-    repeats: int = 3
+    repeats: int = 6
 
     def model_config(self) -> Any:
         from tpcompile.tools.presets import tiny_config
@@ -165,7 +167,8 @@ def _allocation_peak(step: Any) -> int:
     return peak
 
 
-def _one_layout(sc: Scenario, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _built(sc: Scenario, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """One layout's model (delayed init, ``seed=0``), optimizer and training step."""
     from transformers import AutoModelForCausalLM
 
     import tpcompile
@@ -187,34 +190,46 @@ def _one_layout(sc: Scenario, kwargs: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         return loss
 
-    times, loss0 = [], None
-    for i in range(sc.warmup + sc.repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step()
-        dist.barrier()
-        if i == 0:
-            total = loss.detach().clone().float()
-            dist.all_reduce(total)
-            loss0 = total.item() / dist.get_world_size()
-        if i >= sc.warmup:
-            times.append(time.perf_counter() - t0)
-    before = _storage_bytes([*model.parameters(), *model.buffers(),
-                             *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))])
-    dist.barrier()
-    peak = before + _allocation_peak(step)
-    return {"times": times, "loss0": loss0, "memory": peak, "resident_state": before}
+    return (model, opt), step
 
 
 def _rank(rank: int, sc: Scenario) -> list[dict[str, Any]]:
+    """Every layout built first, then stepped in rounds: each round runs one step of every
+    layout (rotating which goes first), so the host's load, which drifts over minutes on
+    a shared machine, falls on all layouts alike instead of on whichever ran then."""
     torch.set_num_threads(1)
-    out = []
+    built = []
     for kwargs in sc.layouts:
         t0 = time.perf_counter()
-        out.append(_one_layout(sc, kwargs))
-        gc.collect()  # the layout's model and optimizer go before the next is built
+        built.append(_built(sc, kwargs))
         if rank == 0:
-            print(f"    {kwargs}: {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"    {kwargs}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+    n = len(built)
+    times: list[list[float]] = [[] for _ in range(n)]
+    loss0: list[float] = [0.0] * n
+    for r in range(sc.warmup + sc.repeats):
+        for i in [(r + k) % n for k in range(n)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = built[i][1]()
+            dist.barrier()
+            if r == 0:
+                total = loss.detach().clone().float()
+                dist.all_reduce(total)
+                loss0[i] = total.item() / dist.get_world_size()
+            if r >= sc.warmup:
+                times[i].append(time.perf_counter() - t0)
+        if rank == 0:
+            print(f"    round {r + 1} of {sc.warmup + sc.repeats} done", flush=True)
+    out = []
+    for i, ((model, opt), step) in enumerate(built):
+        before = _storage_bytes([*model.parameters(), *model.buffers(),
+                                 *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))])
+        dist.barrier()
+        out.append({"times": times[i], "loss0": loss0[i], "memory": before + _allocation_peak(step),
+                    "resident_state": before})
+    built.clear()
+    gc.collect()
     return out
 
 

@@ -37,7 +37,7 @@ __all__ = ["GENERATES", "build"]
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm",
+             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
@@ -115,6 +115,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, image_size=32, patch_size=8, use_head=True, **kw),
             projection_dim=32, **kw)
+    if name == "trocr":  # its attention reads its width off the input: reshape(bsz, tgt_len, embed_dim)
+        return hf.TrOCRForCausalLM, hf.TrOCRConfig(
+            d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, vocab_size=256,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     if name == "ibert":  # quantization-aware modules returning (values, None) outside quant mode
         return hf.IBertForMaskedLM, hf.IBertConfig(
             hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,

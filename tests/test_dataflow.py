@@ -284,6 +284,55 @@ class Deformable(nn.Module):
         return self.out(sampled.view(b, h, d, s).permute(0, 3, 1, 2).reshape(b, s, h * d))
 
 
+class SizeReader(nn.Module):
+    """Attention as older code writes it (TrOCR, BLIP, GroupViT): the width read off the
+    input with ``.size()``, a fused q|k|v reshaped in a helper by ``width // heads``, and
+    the heads merged back by the width read, not by an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = HEADS
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def _split(self, t: torch.Tensor, bsz: int, seq: int, width: int) -> torch.Tensor:
+        return t.reshape(bsz, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, width = x.size()
+        q, k, v = self._split(self.qkv(x), bsz, seq, width)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(bsz, seq, width))
+
+
+class SizeReaders(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Embedding(VOCAB, HIDDEN)
+        self.s = nn.ModuleList([SizeReader() for _ in range(2)])
+        self.h = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.t(input_ids)
+        for blk in self.s:
+            x = blk(x)
+        return self.h(x)
+
+
+def test_sizes_read_at_run_time_are_made_local_at_their_lines() -> None:
+    with torch.device("meta"):
+        model = SizeReaders()
+    plan = tpcompile.plan_model(model, tp=2)
+    assert plan.params["s.1.qkv.weight"].role is Role.COLUMN and plan.params["s.1.out.weight"].role is Role.ROW
+    fix = plan.modules["s.1"].attr_fixups
+    code = SizeReader.forward.__code__
+    merge, split = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno + 4}", code.co_firstlineno + 2
+    # the merge's width (64 -> 32) and the split's heads and head dim (4 -> 2; 16 stays 16,
+    # where the width read over the local head count would give 32): by the lines in forward
+    assert fix[f"@{merge}"] == [3, [[2, HIDDEN // 2]]]
+    assert fix[f"@{merge.rsplit(':', 1)[0]}:{split}"] == [5, [[2, 3], [3, HEADS // 2], [4, HD]]]
+
+
 def test_deformable_sampling_splits_heads() -> None:
     with torch.device("meta"):
         model = Deformable()
@@ -329,7 +378,7 @@ def world2() -> CaseResults:
     return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,), "wobbles": (_blorp, Wobbles),
                          "sometimes": (_blorp, Sometimes), "tied_read": (_blorp, TiedRead),
                          "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
-                         "deformable": (_blorp, Deformable)})
+                         "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
@@ -344,6 +393,12 @@ def test_spatial_ops_on_split_channels_are_exact(world2: CaseResults) -> None:
 
 def test_deformable_sampling_is_exact(world2: CaseResults) -> None:
     for out_err, grad_err in world2["deformable"]:
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_sizes_read_at_run_time_are_exact(world2: CaseResults) -> None:
+    # a batch and length other than the capture's: the sites' sizes are the features' only
+    for out_err, grad_err in world2["size_readers"]:
         assert out_err < 1e-5 and grad_err < 1e-5
 
 

@@ -231,10 +231,18 @@ def global_config(config: Any) -> Any:
     return object.__getattribute__(config, "_base") if isinstance(config, _ConfigView) else config
 
 
-def apply_fixups(module: nn.Module, fixups: dict[str, list[int]]) -> None:
-    """Set ``module``'s attributes (and its private config view) to their local values."""
+def apply_fixups(module: nn.Module, fixups: dict[str, list[Any]]) -> None:
+    """Set ``module``'s attributes (and its private config view) to their local values,
+    and install its shape sites (:mod:`.shape_sites`)."""
+    from .shape_sites import install_sites, is_site
+
     config_over: dict[str, int] = {}
+    sites = {k: v for k, v in fixups.items() if is_site(k)}
+    if sites:
+        install_sites(module, sites)
     for attr, (_, local) in fixups.items():
+        if is_site(attr):
+            continue
         if attr.startswith("config."):
             config_over[attr[len("config."):]] = local
         else:

@@ -43,9 +43,10 @@ from .heads import after_heads
 from .partition import param_layout
 from .propagate import innermost_module
 from .roles import Analyzed
+from .shape_sites import node_line
 from .state import Feat
 
-__all__ = ["Mismatch", "SelfCheckError", "check_local", "raise_mismatches", "resolve_fixups"]
+__all__ = ["Mismatch", "SelfCheckError", "check_local", "raise_mismatches", "resolve_fixups", "resolve_sites"]
 
 Fixups = dict[str, dict[str, list[int]]]
 _MAX_TRIALS = 32
@@ -60,6 +61,8 @@ class Mismatch:
     expected: tuple[int, ...]
     actual: tuple[int, ...] | None  # None: the local trace failed before this op
     detail: str = ""
+    # "file.py:line" of the model code, innermost first: the op's, or the frames the trace failed in
+    lines: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         where = self.module or "<root>"
@@ -121,13 +124,13 @@ def _module_stack(model: nn.Module) -> Iterator[list[str]]:
             h.remove()
 
 
-def _model_frame(err: BaseException) -> str:
-    """The last line of model code (not torch's) on the way to ``err``."""
-    frames = traceback.extract_tb(err.__traceback__)
-    for f in reversed(frames):
-        if "/torch/" not in f.filename and "/tpcompile/" not in f.filename:
-            return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} `{(f.line or '').strip()}`"
-    return ""
+def _model_frames(err: BaseException) -> tuple[tuple[str, ...], str]:
+    """The lines of model code (not torch's) on the way to ``err``, innermost first, as
+    ``"file.py:line"``, and the innermost with its source."""
+    frames = [f for f in reversed(traceback.extract_tb(err.__traceback__))
+              if "/torch/" not in f.filename and "/tpcompile/" not in f.filename]
+    lines = tuple(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames)
+    return lines, (f"{lines[0]} `{(frames[0].line or '').strip()}`" if frames else "")
 
 
 def _gather_heads(shadow: nn.Module, a: Analyzed, expand: Callable[[str], list[str]]) -> None:
@@ -168,7 +171,7 @@ def _compare(a: Analyzed, predicted: fx.Graph, local: fx.Graph, gathered: bool =
         expected = tuple(loc.size(w, d) for d in range(a.an.ndim(w)))
         if any(gv.shape[d] != expected[d] for d in dims):
             out.append(Mismatch(innermost_module(w), str(getattr(w.target, "__name__", w.target)),
-                                expected, tuple(gv.shape)))
+                                expected, tuple(gv.shape), lines=(node_line(w) or "",)))
     return out
 
 
@@ -220,9 +223,9 @@ def check_local(
                 cause = err.__cause__ or err  # capture wraps the model's own exception
                 text = str(cause).strip()
                 first = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
-                line = _model_frame(cause)
+                lines, line = _model_frames(cause)
                 detail = f"{first}" + (f" (at {line})" if line else "")
-                return [Mismatch(where, "", (), None, detail)]
+                return [Mismatch(where, "", (), None, detail, lines)]
     return _compare(a, graph, local, gathered)
 
 
@@ -279,6 +282,33 @@ def resolve_fixups(
         if problems and problems[0].module == where:
             break
     return (trial, problems) if not problems else (fixups, problems)
+
+
+def resolve_sites(fixups: Fixups, problems: list[Mismatch], check: Callable[[Fixups], list[Mismatch]],
+                  propose: Callable[[tuple[str, ...]], dict[str, dict[str, list[Any]]]]) -> tuple[
+                      Fixups, list[Mismatch]]:
+    """Make the sizes read at run time local, one failing line at a time
+    (:mod:`.shape_sites`): ``propose(lines)`` gives the shape sites of the first problem's
+    innermost line that has them, in every module that runs it; they are kept while the
+    trace then gets past where it failed."""
+    trial = {m: dict(c) for m, c in fixups.items()}
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    while problems and len(seen) < _MAX_TRIALS:
+        key = (problems[0].module, problems[0].lines)
+        if not any(problems[0].lines) or key in seen:
+            break
+        seen.add(key)
+        sites = propose(problems[0].lines)
+        if problems[0].module not in sites:
+            break
+        nxt = {m: dict(c) for m, c in trial.items()}
+        for mod, site in sites.items():
+            nxt.setdefault(mod, {}).update(site)
+        got = check(nxt)
+        if got and (got[0].module, got[0].lines) == key:
+            break  # the sites did not help: report the problem as it was
+        trial, problems = nxt, got
+    return trial, problems
 
 
 def _search(base: Fixups, ambiguous: dict[str, dict[str, list[Any]]],

@@ -13,7 +13,7 @@ import re
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -22,28 +22,21 @@ import torch.fx as fx
 from torch import nn
 
 from ..analysis.entries import EntryPaths
-from ..analysis.fixups import find_fixups, graph_signature, verify_fixups
 from ..analysis.partition import param_layout
 from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
 from ..analysis.reads import read_outside
 from ..analysis.roles import Analyzed, analyze, key_matches
-from ..analysis.selfcheck import (
-    Mismatch,
-    SelfCheckError,
-    check_local,
-    raise_mismatches,
-    resolve_fixups,
-)
+from ..analysis.selfcheck import SelfCheckError
 from ..analysis.state import Feat, Partial
 from ..analysis.tokens import TokenRule
 from ..capture import Capture, capture, layer_stacks
-from ..capture.export import cut_to_traced
-from ..capture.fake import call_inputs, shape_trace
+from ..capture.fake import call_inputs
 from ..capture.inputs import text_only
 from ..config import check_degree
 from ..errors import TPError
 from .cache import cached_plan, plan_key
 from .experts import expert_plans, find_routers
+from .local_sizes import local_fixups, size_signature
 from .modules import (
     EnterRegion,
     GatherOutput,
@@ -150,7 +143,7 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
             cap = capture(model, example_kwargs=example_inputs, cut_stacks=False)
             a = run(cap)
         try:
-            fixups = _local_fixups(model, cap, a, tp, example_inputs, gathered=not loss_parallel) if tp > 1 else {}
+            fixups = local_fixups(model, cap, a, tp, example_inputs, gathered=not loss_parallel) if tp > 1 else {}
             break
         except SelfCheckError as err:
             if a.stats and attempt < _SELF_CHECK_RETRIES:
@@ -169,7 +162,7 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
     plan = build_plan(model, cap, a, loss_parallel=loss_parallel, fixups=fixups)
     plan.ep = ep
     plan.experts = expert_plans(model, cap.graph, cap.param_of_placeholder, cap.stacks.expand, ep,
-                                signature=_signature(model, example_inputs))
+                                signature=size_signature(model, example_inputs))
     plan.routers = sorted({m for r in find_routers(cap.graph, cap.param_of_placeholder) for m in cap.stacks.expand(r)})
     _check_overrides(plan, overrides)
     if sequence_parallel and tp > 1:
@@ -256,70 +249,6 @@ def _larger_inputs(model: nn.Module, example_inputs: dict[str, Any] | None) -> d
     batch = ids.shape[0]
     return {k: torch.cat([v] * _LARGER) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
             for k, v in example_inputs.items()}
-
-
-def _signature(model: nn.Module, example_inputs: dict[str, Any] | None) -> Callable[[], Any]:
-    """How the fix-ups tell a size that reaches a shape: a fake forward's ops and shapes
-    (a fifth of a trace's time), or the retraced graph's where a fake forward of the
-    model fails (a check only a real trace skips).  Decided at the first call, made on the
-    model as it is (the baseline) before any attribute is changed."""
-    fast: list[bool] = []
-
-    def signature() -> Any:
-        if not fast:
-            try:
-                baseline = shape_trace(model, example_inputs)
-            except Exception:  # noqa: BLE001 - the capture ran this model: its graph answers
-                fast.append(False)
-            else:
-                fast.append(True)
-                return baseline
-        if fast[0]:
-            return shape_trace(model, example_inputs)
-        return graph_signature(capture(model, example_kwargs=example_inputs).graph)
-
-    return signature
-
-
-def _local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
-                  example_inputs: dict[str, Any] | None, *, gathered: bool) -> dict[str, dict[str, list[int]]]:
-    """Hard-coded sizes made rank-local, proven by tracing rank 0's localized model.
-
-    Candidates whose local value does not change the traced graph are dropped; sizes
-    two attributes share globally are resolved by trying assignments; whatever remains
-    inconsistent (or crashes) raises a :class:`TPError` naming module, op and shapes."""
-    # the capture's own inputs: built again from a localized copy (or from the model with
-    # a trial attribute), a vision-language model's placeholders could no longer be counted
-    # and its vision side would go unchecked (Janus crashed at run time so)
-    traced = example_inputs if example_inputs is not None else cap.example_kwargs or None
-    signature = _signature(model, traced)
-    fixups, ambiguous = find_fixups(a, model, gathered=gathered)
-    if fixups:
-        fixups = verify_fixups(model, fixups, signature)
-
-    def trace(shadow: nn.Module) -> fx.Graph:
-        inputs = None if traced is None else {
-            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in traced.items()}
-        # traced as the plan's graph was: a plan captured whole (a sharded value crossed a
-        # cut block) is compared with a whole local trace, not one cut to fewer blocks
-        return capture(shadow, example_kwargs=inputs, cut_stacks=bool(cap.stacks.members)).graph
-
-    def check(trial: dict[str, dict[str, list[int]]]) -> list[Mismatch]:
-        with cut_to_traced(model, cap.stacks):  # the shadow copies the traced blocks only
-            return check_local(model, a, cap.graph, trial, trace=trace, expand=cap.stacks.expand,
-                               representative=cap.stacks.representative, gathered=gathered)
-
-    def shaping(amb: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
-        """Only the attributes the forward turns into a shape (each costs a trace, so this
-        runs for the modules the local trace fails in only)."""
-        probe = {m: {k: [g, locs[0]] for k, (g, locs) in attrs.items()} for m, attrs in amb.items()}
-        kept = verify_fixups(model, probe, signature)
-        return {m: {k: amb[m][k] for k in attrs} for m, attrs in kept.items()}
-
-    problems = check(fixups)
-    fixups, problems = resolve_fixups(fixups, ambiguous, check, problems, tp, shaping=shaping)
-    raise_mismatches(problems, model, tp)
-    return fixups
 
 
 def _check_overrides(plan: Plan, overrides: dict[str, str] | None) -> None:

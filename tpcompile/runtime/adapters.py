@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import global_config
+from ..analysis.shape_sites import strip_sites
 from ..errors import TPError, listed
 from ..plan.modules import VocabEmbedding
 from ..plan.types import Plan
@@ -205,7 +206,7 @@ def global_twin(model: nn.Module, plan: Plan) -> nn.Module:
         mod = mods.get(name)
         if mod is None:
             continue
-        for attr, (glob, _) in mp.attr_fixups.items():
+        for attr, (glob, _) in strip_sites(mp.attr_fixups).items():
             if not attr.startswith("config."):
                 setattr(mod, attr, glob)
         if mp.op(VocabEmbedding) is not None and hasattr(mod, "num_embeddings"):
