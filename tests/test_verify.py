@@ -87,3 +87,16 @@ def test_verify_unknown_model_is_a_usage_error(capsys: pytest.CaptureFixture[str
     assert main(["verify", "no-such-model", "--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "llama" in err and "config.json" in err
+
+
+def test_verify_compares_outputs_nested_in_a_tuple() -> None:
+    import torch
+    from transformers.utils import ModelOutput
+
+    from tpcompile.tools.verify import _loss, _output_tensors
+
+    # MGP-STR returns its three heads' logits as a tuple: skipped, its loss was an int 0
+    heads = (torch.ones(2, 3), torch.full((2, 4), 2.0), torch.zeros(2, 5))
+    out = ModelOutput(logits=heads, attentions=None)
+    assert sorted(_output_tensors(out)) == ["logits.0", "logits.1", "logits.2"]
+    assert float(_loss(out)) == 5.0

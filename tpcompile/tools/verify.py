@@ -208,10 +208,19 @@ def _inputs(model: nn.Module, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return example_inputs(model, batch=_BATCH, seq=_SEQ, generator=gen, labels=True)
 
 
-def _output_tensors(out: Any) -> dict[str, torch.Tensor]:
-    items = out.items() if hasattr(out, "items") else enumerate(out if isinstance(out, tuple) else [out])
-    return {str(k): v for k, v in items
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and str(k) not in _NOT_OUTPUTS}
+def _output_tensors(out: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The float tensors a model returns, by name; those nested in a tuple or list (MGP-STR's
+    three heads' ``logits``) as ``name.i``."""
+    items = out.items() if hasattr(out, "items") else enumerate(out if isinstance(out, tuple | list) else [out])
+    found: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        if str(k) in _NOT_OUTPUTS:
+            continue
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            found[f"{prefix}{k}"] = v
+        elif isinstance(v, tuple | list) and not prefix:
+            found.update(_output_tensors(v, f"{k}."))
+    return found
 
 
 def _loss(out: Any) -> torch.Tensor:
