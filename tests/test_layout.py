@@ -91,7 +91,7 @@ def test_profiles_round_trip(tmp_path: Path) -> None:
 
 def test_ranks_layouts_that_multiply_to_gpus_and_fit(report4: LayoutReport) -> None:
     assert report4.ranked and report4.fitting == len(report4.ranked)
-    times = [p.time["total"] for p in report4.ranked]
+    times = [round(p.time["total"], 9) for p in report4.ranked]  # equal times: less memory first
     assert times == sorted(times)
     for p in report4.ranked:
         lay = p.layout
@@ -209,6 +209,15 @@ def test_overlap_and_shared_compute_change_what_is_exposed(llama: nn.Module) -> 
                                                                             inter_node=slow_gather), **job)
     assert gathered[0].time["fsdp_exposed"] > fs["fsdp_exposed"]
     assert gathered[1].time["tp"] == price_layouts(llama, [Layout(tp=4)], hardware=base, **job)[0].time["tp"]
+    # sequence parallelism runs each TP all-reduce as an all-gather and a reduce-scatter: as
+    # dear on one link (NCCL's bus-bandwidth convention), dearer where all-gathers are slow (gloo)
+    tp4, sp4 = Layout(tp=4), Layout(tp=4, sequence_parallel=True)
+    even = price_layouts(llama, [tp4, sp4], hardware=base, **job)
+    assert even[1].time["tp"] == pytest.approx(even[0].time["tp"])
+    slow_ag = replace(slow, ops={"all_gather": [1e8, 1e-5]})
+    uneven = price_layouts(llama, [tp4, sp4], hardware=replace(base, intra_node=slow_ag, inter_node=slow_ag), **job)
+    # (TP alone all-gathers the LM head's logits: it pays too, a fraction of SP's extra)
+    assert uneven[1].time["tp"] - even[1].time["tp"] > 2 * (uneven[0].time["tp"] - even[0].time["tp"]) > 0
     # the pipeline runtime's own share of a hand-off: 1F1B at pp=2, M=4 makes one per microbatch at
     # least on its critical path (here, compute next to nothing, about five); only the pipeline pays it
     slower = price_layouts(llama, [fsdp, pipe], hardware=replace(base, pp_handoff=1e-3), **job)

@@ -87,6 +87,23 @@ def _linear(entries: list[tuple[str, str, str, float, float, float]], groups: di
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def _sequence_parallel(entries: list[tuple[str, str, str, float, float, float]], tp: int) -> list[
+        tuple[str, str, str, float, float, float]]:
+    """The blocks' TP collectives as sequence parallelism runs them: each all-reduce of a
+    region's output (forward) or input gradient (backward) becomes an all-gather of this
+    rank's tokens where the region enters and a reduce-scatter where it leaves, the same
+    bytes (on a link whose all-gather is slower than its all-reduce, as gloo's, SP costs
+    more time than TP)."""
+    out = []
+    for phase, op, group, calls, per_token, fixed in entries:
+        if op == "all_reduce" and group == "tp" and per_token and not fixed:  # activations, not gradient sums
+            out += [(phase, "all_gather", group, calls, per_token / tp, fixed / tp),
+                    (phase, "reduce_scatter_tensor", group, calls, per_token, fixed)]
+        else:
+            out.append((phase, op, group, calls, per_token, fixed))
+    return out
+
+
 @dataclass
 class _Stage:
     """One pipeline stage: its blocks (indices), its place and its pp rank (the whole
@@ -190,14 +207,15 @@ class Pricer:
             self._orders[key] = schedule_order(schedule, pp, virtual, m)[0]
         return self._orders[key]
 
-    def _tp_lin(self, tp: int, world: int, world_crosses: bool) -> tuple[dict, ...]:
-        key = (tp, world, world_crosses)
+    def _tp_lin(self, tp: int, world: int, world_crosses: bool, sp: bool = False) -> tuple[dict, ...]:
+        key = (tp, world, world_crosses, sp)
         if key not in self._lin:
             f = self.facts[tp]
             groups = {"tp": (tp, self.hw.intra_node), "world": (world, self.hw.link(inter_node=world_crosses))}
             # (TP block, pre, post, FP8 block, pre, post)
-            self._lin[key] = tuple(_linear(getattr(b, part), groups) for b in (f.comm, f.fp8_comm)
-                                   for part in ("block", "pre", "post"))
+            self._lin[key] = tuple(_linear(_sequence_parallel(getattr(b, part), tp) if sp and part == "block"
+                                           else getattr(b, part), groups)
+                                   for b in (f.comm, f.fp8_comm) for part in ("block", "pre", "post"))
         return self._lin[key]
 
     def _fitted(self, tp: int, cp: int) -> dict[str, Any]:
@@ -234,7 +252,7 @@ class Pricer:
         tokens = mb * positions
         acts = self._fitted(lay.tp, lay.cp)
         world = self.gpus
-        lin = self._tp_lin(lay.tp, world, world > self.gpn)
+        lin = self._tp_lin(lay.tp, world, world > self.gpn, lay.sequence_parallel)
         per_stage = [self._stage(lay, f, s, acts, lin, link, tokens, positions, mb) for s in stages]
         ranks: dict[int, list[dict[str, float]]] = {}
         for s, numbers in zip(stages, per_stage, strict=True):
