@@ -273,7 +273,7 @@ def _scenario(sc: Scenario) -> dict[str, Any]:
             "top1_gap": measured[best_pred] / min(measured) - 1, "predicted_best": layouts[best_pred]["label"],
             "measured_best": layouts[min(range(len(layouts)), key=measured.__getitem__)]["label"],
             "profile": {"fp32_flops": profile.achievable("fp32"), "link_bandwidth": profile.intra_node.bandwidth,
-                        "link_latency": profile.intra_node.latency, "sync_latency": profile.sync_latency},
+                        "link_latency": profile.intra_node.latency},
             "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 

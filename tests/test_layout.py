@@ -314,7 +314,7 @@ def test_calibrate_measures_positive_links(tmp_path: Path) -> None:
     assert hand["span"] == 16 and hand["wall"] > 0 and 0 <= hw.pp_handoff <= hand["hop"]
     # an all-reduce after compute: what it adds beyond the products and itself, the slowest rank's
     sync = hw.measurements["sync_per_rank"]
-    assert len(sync) == 2 and hw.sync_latency == pytest.approx(sum(r["extra"] for r in sync) / 2)
+    assert len(sync) == 2 and hw.sync_latency == max(r["extra"] for r in sync) >= 0
     assert all(r["both"] > r["compute"] > 0 for r in sync)
     for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         m = hw.measurements["collectives"][op]

@@ -17,7 +17,7 @@ once with the others (so the numbers are what a rank of a job sees):
   runtime adds to every hand-off (its schedule's Python, its p2p ops' set-up and waits);
 * the **sync latency** (``sync_latency``): a 4 KiB all-reduce after three 512^3 products,
   against each alone: what a blocking collective adds when the ranks arrive from
-  compute (the last peer's wait for a core, where ranks share them), the mean over ranks;
+  compute (the last peer's wait for a core, where ranks share them);
 * the **overlap**: an asynchronous all-gather running while the rank multiplies,
   against each alone: ``(t_mm + t_comm - t_both) / min(t_mm, t_comm)``, the share of
   communication that hides behind compute (gloo runs collectives on the cores that
@@ -368,9 +368,8 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
         name=name, peak_flops=rates, achievable_flops=dict(rates), memory_bytes=_host_memory() / procs,
         intra_node=link, inter_node=link, gpus_per_node=max(procs, os.cpu_count() or procs),
         comm_overlap=round(overlap, 3), solo_flops=solo, pp_handoff=max(0.0, handoff["hop"] - transfer),
-        # each rank waits from its own arrival to the last peer's: over the ranks, the mean of
-        # those waits is what the last arrival adds to the step against the average rank's
-        sync_latency=sum(r["sync"]["extra"] for r in per_rank) / len(per_rank),
+        # the slowest rank's wait: a blocking collective ends when the last peer arrives
+        sync_latency=max(r["sync"]["extra"] for r in per_rank),
         source=f"measured by tpcompile calibrate on this host over {procs} local processes ({threads} threads "
                "each): torch.mm 512^3 per dtype on every process at once (the slowest process's rate) and on one "
                "alone, gloo collectives, an all-gather overlapped with matmuls, a GPipe step of two stages that "
