@@ -15,9 +15,6 @@ once with the others (so the numbers are what a rank of a job sees):
   to nothing, through torch's pipelining runtime, over the span torch's action order
   makes at one unit per hand-off, less the p2p transfer of its 256 bytes: what the
   runtime adds to every hand-off (its schedule's Python, its p2p ops' set-up and waits);
-* the **sync latency** (``sync_latency``): a 4 KiB all-reduce after three 512^3 products,
-  against each alone: what a blocking collective adds when the ranks arrive from
-  compute (the last peer's wait for a core, where ranks share them);
 * the **overlap**: an asynchronous all-gather running while the rank multiplies,
   against each alone: ``(t_mm + t_comm - t_both) / min(t_mm, t_comm)``, the share of
   communication that hides behind compute (gloo runs collectives on the cores that
@@ -109,7 +106,7 @@ def _rank_worker(rank: int, world: int, sizes: list[int], repeats: int, threads:
             solo[d] = measure_matmul(d, seconds=seconds_per_dtype, throughput=True)
         dist.barrier()
     return {"matmul": shared, "solo": solo, "collectives": _collective_times(rank, world, sizes, repeats),
-            "overlap": _overlap(world, max(sizes)), "handoff": _handoff(rank, repeats), "sync": _sync(world)}
+            "overlap": _overlap(world, max(sizes)), "handoff": _handoff(rank, repeats)}
 
 
 class _Tiny(torch.nn.Module):
@@ -258,37 +255,6 @@ def _overlap(world: int, nbytes: int, rounds: int = 3) -> dict[str, float]:
             "matmuls": float(mms)}
 
 
-def _sync(world: int, rounds: int = 12, matmuls: int = 3) -> dict[str, float]:
-    """A blocking all-reduce after compute, as a TP layer makes them: ``matmuls`` 512^3
-    products then a 4 KiB all-reduce, ``rounds`` times, on every rank together; against
-    the products alone and the all-reduce alone, what each round adds beyond both (median
-    round): the wait for the last peer, which on shared cores is a scheduler's slice."""
-    import torch.distributed as dist
-
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    x = torch.ones(1024)
-
-    def rounds_of(fn: Any) -> float:
-        dist.barrier()
-        times = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[len(times) // 2]
-
-    def compute() -> None:
-        for _ in range(matmuls):
-            torch.mm(a, b)
-
-    def both() -> None:
-        compute()
-        dist.all_reduce(x)
-
-    t_mm, t_ar, t_both = rounds_of(compute), rounds_of(lambda: dist.all_reduce(x)), rounds_of(both)
-    return {"extra": max(0.0, t_both - t_mm - t_ar), "compute": t_mm, "all_reduce": t_ar, "both": t_both}
-
-
 def _steps(op: str, p: int) -> int:
     """Latency-bound steps of a collective over ``p`` ranks (tree / recursive doubling,
     as :mod:`~tpcompile.tools.layout_price` prices them)."""
@@ -368,8 +334,6 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
         name=name, peak_flops=rates, achievable_flops=dict(rates), memory_bytes=_host_memory() / procs,
         intra_node=link, inter_node=link, gpus_per_node=max(procs, os.cpu_count() or procs),
         comm_overlap=round(overlap, 3), solo_flops=solo, pp_handoff=max(0.0, handoff["hop"] - transfer),
-        # the slowest rank's wait: a blocking collective ends when the last peer arrives
-        sync_latency=max(r["sync"]["extra"] for r in per_rank),
         source=f"measured by tpcompile calibrate on this host over {procs} local processes ({threads} threads "
                "each): torch.mm 512^3 per dtype on every process at once (the slowest process's rate) and on one "
                "alone, gloo collectives, an all-gather overlapped with matmuls, a GPipe step of two stages that "
@@ -377,7 +341,6 @@ def calibrate(*, procs: int = 2, name: str = "calibrated", sizes: tuple[int, ...
         measurements={"matmul_flops": rates, "solo_flops": per_rank[0]["solo"], "procs": procs, "threads": threads,
                       "matmul_flops_per_rank": [r["matmul"] for r in per_rank],
                       "overlap_per_rank": [r["overlap"] for r in per_rank], "pp_handoff": handoff,
-                      "sync_per_rank": [r["sync"] for r in per_rank],
                       "collectives": {op: {"seconds": {str(k): v for k, v in t.items()},
                                            "bus_bandwidth": links[op][0], "latency": links[op][1]}
                                       for op, t in timings.items()}})

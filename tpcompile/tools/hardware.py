@@ -123,12 +123,6 @@ class HardwareProfile:
     # waits).  0 where unmeasured (the datasheet profiles); calibrate measures it by
     # running torch's schedule on stages that compute next to nothing
     pp_handoff: float = 0.0
-    # seconds a blocking collective costs beyond its own time when the ranks arrive from
-    # compute: the wait for the last peer to be scheduled where ranks share cores (four
-    # processes on two cores: each TP all-reduce waits out a peer's time slice).  0 where
-    # unmeasured (on GPUs a collective queues behind the kernels it follows, no scheduler
-    # in between); calibrate measures it from all-reduces between matmuls
-    sync_latency: float = 0.0
 
     def __post_init__(self) -> None:
         for d in (*self.peak_flops, *self.achievable_flops, *self.solo_flops):
@@ -136,9 +130,8 @@ class HardwareProfile:
                 raise TPError(f"hardware profile {self.name!r}: unknown dtype {d!r} (known: {', '.join(DTYPES)})")
         if self.memory_bytes <= 0 or self.gpus_per_node < 1:
             raise TPError(f"hardware profile {self.name!r}: memory_bytes and gpus_per_node must be positive")
-        for what in ("pp_handoff", "sync_latency"):
-            if getattr(self, what) < 0:
-                raise TPError(f"hardware profile {self.name!r}: {what} is seconds >= 0, got {getattr(self, what)}")
+        if self.pp_handoff < 0:
+            raise TPError(f"hardware profile {self.name!r}: pp_handoff is seconds >= 0, got {self.pp_handoff}")
         if not 0.0 <= self.comm_overlap <= 1.0:
             raise TPError(f"hardware profile {self.name!r}: comm_overlap is a share in [0, 1], got "
                           f"{self.comm_overlap}")

@@ -73,18 +73,17 @@ class Mesh:
                 "dp_replicate": self.crosses(tp * cp * ds, dr), "pp": self.crosses(tp * cp * ds * dr, self.pp)}
 
 
-def _linear(entries: list[tuple[str, str, str, float, float, float]], groups: dict[str, tuple[int, Link]],
-            sync: float = 0.0) -> dict[str, tuple[float, float]]:
+def _linear(entries: list[tuple[str, str, str, float, float, float]], groups: dict[str, tuple[int, Link]]) -> dict[
+        str, tuple[float, float]]:
     """``{phase: (seconds per token, seconds)}`` of a bucket's collectives: their time is
-    linear in the tokens of a call (bytes = per token x tokens + fixed); each call, a
-    blocking one between the layer's computations, also waits ``sync`` for its last peer."""
+    linear in the tokens of a call (bytes = per token x tokens + fixed)."""
     out = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}
     for phase, op, group, calls, per_token, fixed in entries:
         p, link = groups.get(group, groups["tp"])
         base = collective_time(op, p, fixed, link)
         slope = collective_time(op, p, fixed + 1.0, link) - base  # seconds per byte
         out[phase][0] += calls * slope * per_token
-        out[phase][1] += calls * (base + (sync if p > 1 else 0.0))
+        out[phase][1] += calls * base
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -215,7 +214,7 @@ class Pricer:
             groups = {"tp": (tp, self.hw.intra_node), "world": (world, self.hw.link(inter_node=world_crosses))}
             # (TP block, pre, post, FP8 block, pre, post)
             self._lin[key] = tuple(_linear(_sequence_parallel(getattr(b, part), tp) if sp and part == "block"
-                                           else getattr(b, part), groups, self.hw.sync_latency)
+                                           else getattr(b, part), groups)
                                    for b in (f.comm, f.fp8_comm) for part in ("block", "pre", "post"))
         return self._lin[key]
 
@@ -324,14 +323,12 @@ class Pricer:
             kv = sum(f.kv_bytes[i] for i in s.blocks) * mb * mf.seq  # the gathered K + V, all calls
             calls = f.kv_calls * n
             cp = (2 + ac) * (collective_time("reduce_scatter_tensor", lay.cp, kv, link["cp"])
-                             + (calls - 1) * collective_time("reduce_scatter_tensor", lay.cp, 0.0, link["cp"])
-                             + calls * self.hw.sync_latency)
+                             + (calls - 1) * collective_time("reduce_scatter_tensor", lay.cp, 0.0, link["cp"]))
         ep = 0.0
         if lay.ep > 1 and f.moe_layers:
             layers = f.moe_layers / len(mf.blocks) * n
             rows = tokens * mf.top_k * mf.width * mf.itemsize
-            ep = (4 + 2 * ac) * layers * (collective_time("all_to_all_single", lay.ep, rows, link["ep"])
-                                          + self.hw.sync_latency)
+            ep = (4 + 2 * ac) * layers * collective_time("all_to_all_single", lay.ep, rows, link["ep"])
         block = [acts["block"][i] * (self.fp8_ratio if lay.fp8 else 1.0) for i in s.blocks]
         if lay.sequence_parallel:
             saving = self.sp_saving.get(lay.tp, [0.0] * len(mf.blocks))
