@@ -424,3 +424,29 @@ def test_adapters_and_their_optimizer_state_resume_from_a_sharded_checkpoint(wor
         # the second step after the checkpoint depends on the restored AdamW moments
         for got, want in zip(r["got"], r["want"], strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), r
+
+
+class _SwitchesItself(torch.nn.Module):
+    """BigBird's habit: short inputs make the forward build a new attention module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] < 8 and type(self.attn) is torch.nn.Linear:
+            fresh = torch.nn.Sequential(self.attn)  # the same weights under a new module
+            self.attn = fresh
+        return self.attn(x)
+
+
+def test_a_module_the_forward_replaces_is_refused_by_that_forward() -> None:
+    from tpcompile.runtime.guard import watch_tree
+
+    model = _SwitchesItself()
+    watch_tree(model)
+    assert model(torch.ones(1, 9, 4)).shape == (1, 9, 4)  # nothing replaced: runs
+    # the new module ran unplanned within this very forward: its output is refused (before,
+    # it was returned and only the next forward refused the model)
+    with pytest.raises(TPError, match=r"attn \(torch.nn.modules.container.Sequential\).*during this forward"):
+        model(torch.ones(1, 3, 4))

@@ -189,6 +189,7 @@ def watch_tree(model: nn.Module, adopt: Callable[[list[str]], None] | None = Non
     model._tpcompile_watch = watch
     if not hasattr(model, "_tpcompile_tree_guard"):
         model._tpcompile_tree_guard = model.register_forward_pre_hook(_check, prepend=True)
+        model._tpcompile_tree_guard_after = model.register_forward_hook(_check_after)
 
 
 def _check(model: nn.Module, args: tuple) -> None:
@@ -208,3 +209,27 @@ def _check(model: nn.Module, args: tuple) -> None:
         f"would run on this rank's shards without the collectives they need (a silently wrong model): "
         f"{shown}. Add adapters and new modules before tpcompile.transform / parallelize (PEFT: "
         "get_peft_model(model, config) first, then transform the PeftModel), or build the model again")
+
+
+def _check_after(model: nn.Module, args: tuple, output: Any) -> None:
+    """A model that replaces its own modules during a forward (BigBird switches to full
+    attention for short inputs, building new attention modules) has just run them
+    unplanned: its output is refused, not returned.  Adapters added between forwards
+    were planned (or refused) before this forward began, so a change seen here is one
+    this forward made.  The tree is walked without settling: planning the new modules
+    now would not mend the output they already computed."""
+    watch = model._tpcompile_watch
+    if not watch.changed:
+        return
+    found, todo = [], [("", model)]
+    while todo:
+        name, mod = todo.pop()
+        if not mod.__dict__.get(_MARK) and type(mod).__name__ not in _WRAPPER_CLASSES:
+            found.append(f"{name or '<root>'} ({_class_name(type(mod))})")
+        todo += [(f"{name}.{k}" if name else k, c) for k, c in dict.items(mod._modules) if c is not None]
+    if found:
+        raise TPError(
+            f"{listed(sorted(found), _SHOWN)} replaced or added during this forward by the model's own code, "
+            "after tpcompile planned it: they ran on this rank's shards without the collectives and local sizes "
+            "they need, so the output is refused. Put the model in the state its forward leaves it before "
+            "transform / parallelize (BigBird: config.attention_type='original_full' for inputs this short)")
