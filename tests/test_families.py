@@ -437,7 +437,9 @@ def test_gated_delta_net_splits_by_heads() -> None:
 
 
 class _Baked(torch.nn.Module):
-    """Attention whose head count is a module-level constant: nothing can localize it."""
+    """Attention whose head count is a module-level constant in an ``unflatten``: no
+    attribute holds it, and a shape site rewrites only ``view`` / ``reshape`` (the same
+    constant in a ``view`` is made local at its line)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -448,7 +450,7 @@ class _Baked(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(input_ids)
         b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, _HEADS, 8).unbind(2)
+        q, k, v = self.qkv(x).unflatten(-1, (3, _HEADS, 8)).unbind(2)
         att = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out(att.transpose(1, 2).reshape(b, s, -1))

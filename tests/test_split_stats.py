@@ -155,7 +155,7 @@ class _Literal(_Mlp):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.norm(torch.relu(self.up(self.emb(input_ids))))
-        return self.down((h.reshape(*h.shape[:-1], 4, 16) * 2).flatten(-2))
+        return self.down((h.unflatten(-1, (4, 16)) * 2).flatten(-2))  # not a view: no shape site
 
 
 def test_a_split_the_self_check_refuses_plans_as_without_split_statistics() -> None:
