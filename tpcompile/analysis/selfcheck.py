@@ -43,7 +43,7 @@ from .heads import after_heads
 from .partition import param_layout
 from .propagate import innermost_module
 from .roles import Analyzed
-from .shape_sites import node_line
+from .shape_sites import model_code, node_line
 from .state import Feat
 
 __all__ = ["Mismatch", "SelfCheckError", "check_local", "raise_mismatches", "resolve_fixups", "resolve_sites"]
@@ -127,8 +127,7 @@ def _module_stack(model: nn.Module) -> Iterator[list[str]]:
 def _model_frames(err: BaseException) -> tuple[tuple[str, ...], str]:
     """The lines of model code (not torch's) on the way to ``err``, innermost first, as
     ``"file.py:line"``, and the innermost with its source."""
-    frames = [f for f in reversed(traceback.extract_tb(err.__traceback__))
-              if "/torch/" not in f.filename and "/tpcompile/" not in f.filename]
+    frames = [f for f in reversed(traceback.extract_tb(err.__traceback__)) if model_code(f.filename)]
     lines = tuple(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames)
     return lines, (f"{lines[0]} `{(frames[0].line or '').strip()}`" if frames else "")
 

@@ -12,8 +12,9 @@ the reshape itself: the capture records the source line of every ``view`` / ``re
 and the analysis the local size of each of its output dims.  A *shape site* is such a
 line in one module, with the local size of every output dim that carries features (a
 head count, a head dim, a width): while that module runs, a torch function mode rewrites
-those entries of the shape a ``view`` / ``reshape`` called from that line asks for, where
-the shape asked for cannot hold the local tensor as written or holds it by a ``-1``.
+those entries of the shape a ``view`` / ``reshape`` called from that line asks for (a
+``-1`` stays; a rewritten shape that cannot hold the tensor is left as written, so torch
+raises its own error).
 
 Sites are made only where the self-check's trace of the localized model fails (or a
 shape disagrees with the plan), one line at a time, and kept only if the trace then gets
@@ -47,7 +48,7 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SITE_PREFIX", "install_sites", "is_site", "node_line", "sites_for", "strip_sites"]
+__all__ = ["SITE_PREFIX", "install_sites", "is_site", "model_code", "node_line", "sites_for", "strip_sites"]
 
 aten = torch.ops.aten
 SITE_PREFIX = "@"
@@ -139,13 +140,19 @@ _SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file
 _DEPTH = 3  # model frames looked at: a reshape in a helper of a helper of ``forward``
 
 
+def model_code(filename: str) -> bool:
+    """Is ``filename`` the model's code (neither torch's nor tpcompile's)?  The self-check
+    names failing lines by it and the runtime looks sites up by it: one test for both."""
+    return not filename.startswith(_SKIP)
+
+
 def _site(table: dict[str, dict[int, dict[int, int]]]) -> dict[int, dict[int, int]] | None:
     """The site of the model code calling a reshape: its nearest frames outside torch and
     tpcompile, innermost first (the capture records a helper's call from ``forward``,
     ``self._shape(...)``, by the line in ``forward``)."""
     f = sys._getframe(2)
     for _ in range(_DEPTH):
-        while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        while f is not None and not model_code(f.f_code.co_filename):
             f = f.f_back
         if f is None:
             return None

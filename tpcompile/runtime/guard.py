@@ -163,8 +163,14 @@ def planned_names(model: nn.Module) -> dict[int, str]:
 def unplanned_modules(model: nn.Module) -> list[str]:
     """``"name (module.Class)"`` of every module of ``model`` that was not part of it when
     :func:`watch_tree` ran (wrappers that only rename a subtree aside)."""
-    return [f"{name or '<root>'} ({_class_name(type(m))})" for name, m in model.named_modules()
-            if not m.__dict__.get(_MARK) and type(m).__name__ not in _WRAPPER_CLASSES]
+    return [u for name, m in model.named_modules() if (u := _unplanned(name, m))]
+
+
+def _unplanned(name: str, mod: nn.Module) -> str | None:
+    """``"name (module.Class)"`` if ``mod`` was not planned (nor a renaming wrapper)."""
+    if mod.__dict__.get(_MARK) or type(mod).__name__ in _WRAPPER_CLASSES:
+        return None
+    return f"{name or '<root>'} ({_class_name(type(mod))})"
 
 
 def _class_name(cls: type) -> str:
@@ -224,8 +230,8 @@ def _check_after(model: nn.Module, args: tuple, output: Any) -> None:
     found, todo = [], [("", model)]
     while todo:
         name, mod = todo.pop()
-        if not mod.__dict__.get(_MARK) and type(mod).__name__ not in _WRAPPER_CLASSES:
-            found.append(f"{name or '<root>'} ({_class_name(type(mod))})")
+        if u := _unplanned(name, mod):
+            found.append(u)
         todo += [(f"{name}.{k}" if name else k, c) for k, c in dict.items(mod._modules) if c is not None]
     if found:
         raise TPError(

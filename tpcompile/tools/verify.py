@@ -423,12 +423,11 @@ def _generate(model: nn.Module, ref: nn.Module, batch: dict[str, torch.Tensor]) 
     return {"status": "match" if same else "mismatch", "tp": got[0].tolist(), "reference": want[0].tolist()}
 
 
-def _partial_output(module: str, plan: Any) -> bool:
-    """Does ``module`` return each rank's partial sum, reduced by a module around it (a
-    row-parallel projection whose caller all-reduces what it returns)?"""
-    rows = [p for n, p in plan.params.items() if n.rpartition(".")[0] == module and p.role is Role.ROW]
-    mp = plan.modules.get(module)
-    return bool(rows) and (mp is None or not mp.reduces)
+def _partial_outputs(plan: Any) -> set[str]:
+    """The modules returning each rank's partial sum, reduced by a module around them
+    (row-parallel projections whose caller all-reduces what they return)."""
+    rows = {n.rpartition(".")[0] for n, p in plan.params.items() if p.role is Role.ROW}
+    return {m for m in rows if m not in plan.modules or not plan.modules[m].reduces}
 
 
 def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, opts: dict[str, Any]) -> dict:
@@ -472,8 +471,9 @@ def _worker(rank: int, world: int, config: PreTrainedConfig, task: str | None, o
     # a module inside a vocab-parallel embedding's forward (Inkling's embed_norm) sees each
     # rank's masked rows by design; they are compared where the embedding returns
     lookups = [f"{m}." for m, mp in plan.modules.items() if mp.op(VocabEmbedding) is not None]
+    partial = _partial_outputs(plan)
     for n in order:  # a row module its caller reduces (called twice, both sums in one): its sum
-        for t in recorders[0].outputs[n] if _partial_output(n, plan) else ():
+        for t in recorders[0].outputs[n] if n in partial else ():
             torch.distributed.all_reduce(t)
     result["forward"] = {n: None if any(n.startswith(v) for v in lookups) else _forward_check(
         recorders[0].outputs[n], recorders[1].outputs[n], _sharded_rows(n, plan, rank), tokens) for n in order}
