@@ -221,6 +221,19 @@ def test_dump_plan_local_model(tmp_path: Path, as_file: bool,
     assert _dump_json(capsys, str(target), "--tp", "2", "--layers", "1")["params"] == plan["params"]
 
 
+def test_dump_plan_any_family_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # an encoder-decoder's config.json (no architectures): the class is the one verify and
+    # from_pretrained build (its seq2seq head), not only causal / masked LMs
+    from transformers import T5Config
+
+    T5Config(d_model=64, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4, d_kv=16,
+             vocab_size=256).save_pretrained(tmp_path)
+    plan = _dump_json(capsys, str(tmp_path / "config.json"), "--tp", "2")
+    assert plan["model_class"] == "T5ForConditionalGeneration"
+    _check_roles(plan["params"], [(".SelfAttention.q.weight", COLUMN), (".SelfAttention.o.weight", ROW),
+                                  (".EncDecAttention.k.weight", COLUMN), (".DenseReluDense.wo.weight", ROW)])
+
+
 def test_dump_plan_shows_kv_heads_read_per_query_head(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # 20 query heads over 5 KV heads at tp=4: two KV heads held per rank, read as five
     presets.tiny_config("llama", num_attention_heads=20, num_key_value_heads=5, hidden_size=160).save_pretrained(tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from tpcompile.tools.presets import (
     ALIASES,
@@ -142,6 +142,9 @@ def test_meta_model_from_config_infers_task() -> None:
     assert type(build_meta_model_from_config(cfg)).__name__ == "Qwen3ForCausalLM"
     with pytest.raises(ValueError):
         build_meta_model_from_config(cfg, task="seq2seq")
+    # any family: the richest head its type registers (seq2seq for an encoder-decoder)
+    t5 = build_meta_model_from_config(AutoConfig.for_model("t5", num_layers=1, num_decoder_layers=1))
+    assert type(t5).__name__ == "T5ForConditionalGeneration"
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -23,10 +23,10 @@ from .analysis.propagate import Rule, RuleSet
 from .analysis.tokens import TokenRule
 from .checkpoint.hf import load_hf_weights
 from .checkpoint.pretrained import CheckpointLoader, check_checkpoint_dir, materialize_buffers
-from .checkpoint.pretrained import model_class as default_model_class
 from .compose import Job, compose, tensor_parallel
 from .config import check_degree, resolve_config
 from .errors import TPError
+from .integrations.hf_classes import model_class as default_model_class
 from .plan import Plan, check_plan, plan_model
 from .plan.context import check_context
 from .plan.layout import (
@@ -474,7 +474,8 @@ def from_pretrained(path: str | os.PathLike, tp: int, *, model_class: type | Non
     Args:
         path: a local directory with ``config.json`` and safetensors weights.
         tp: tensor-parallel degree.
-        model_class: default: ``config.architectures[0]`` from ``transformers``.
+        model_class: default: ``config.architectures[0]`` from ``transformers``, else
+            the richest head the model type has (seq2seq, causal / masked LM, bare).
         transform_kwargs: passed to :func:`tpcompile.transform` (``mesh``,
             ``loss_parallel``, ``overrides``, ...).
         hf_kwargs: passed to ``AutoConfig.from_pretrained`` / ``from_config``

@@ -30,7 +30,7 @@ from ..plan.table import TranslationTable
 from ..runtime.materialize import TensorRecord, records
 from ..runtime.shards import assign_tp_local, lookup, tp_context, world
 
-__all__ = ["CheckpointLoader", "check_checkpoint_dir", "materialize_buffers", "model_class", "scatter_from_rank0"]
+__all__ = ["CheckpointLoader", "check_checkpoint_dir", "materialize_buffers", "scatter_from_rank0"]
 
 
 def materialize_buffers(model: nn.Module, device: str | torch.device = "cpu") -> list[str]:
@@ -60,16 +60,6 @@ def materialize_buffers(model: nn.Module, device: str | torch.device = "cpu") ->
         for owner in owners.values():
             init(owner)
     return sorted(owners)
-
-
-def model_class(config: Any) -> type:
-    import transformers
-
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModelForCausalLM
 
 
 def scatter_from_rank0(model: nn.Module, table: TranslationTable,

@@ -26,10 +26,11 @@ import torch
 from transformers import (
     CONFIG_MAPPING,
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
     PreTrainedConfig,
 )
+
+from ..errors import TPError
+from ..integrations.hf_classes import TASK_CAUSAL_LM, TASK_MASKED_LM, TASKS, model_class
 
 __all__ = [
     "ALIASES",
@@ -46,9 +47,7 @@ __all__ = [
     "tiny_config",
 ]
 
-TASK_CAUSAL_LM = "causal-lm"
-TASK_MASKED_LM = "masked-lm"
-_TASKS = (TASK_CAUSAL_LM, TASK_MASKED_LM)
+_TASKS = TASKS
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -537,52 +536,23 @@ def _no_init_weights() -> AbstractContextManager[None]:
     return no_init_weights()
 
 
-def _infer_task(config: PreTrainedConfig) -> str:
-    for arch in getattr(config, "architectures", None) or []:
-        if arch.endswith("ForMaskedLM"):
-            return TASK_MASKED_LM
-        if arch.endswith(("ForCausalLM", "LMHeadModel")):
-            return TASK_CAUSAL_LM
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    model_type = config.model_type
-    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    masked = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    if causal and masked:
-        # Encoder families (bert, roberta, ...) also register a causal head; they
-        # are only used that way when explicitly configured as decoders.
-        return TASK_CAUSAL_LM if getattr(config, "is_decoder", False) else TASK_MASKED_LM
-    if causal:
-        return TASK_CAUSAL_LM
-    if masked:
-        return TASK_MASKED_LM
-    raise ValueError(
-        f"cannot tell whether model_type {model_type!r} is a causal or masked LM; "
-        f"pass task={TASK_CAUSAL_LM!r} or task={TASK_MASKED_LM!r}"
-    )
-
-
 def build_meta_model_from_config(
     config: PreTrainedConfig, task: str | None = None
 ) -> torch.nn.Module:
     """Instantiate ``config`` on the meta device (no memory, no weight init).
 
-    ``task`` is ``"causal-lm"`` or ``"masked-lm"``; when omitted it is inferred from
-    ``config.architectures`` and then from the model type.  The model's default
-    attention implementation is kept, so plans reflect what users actually run.
+    ``task`` is ``"causal-lm"`` or ``"masked-lm"``; when omitted the class is the one
+    :func:`~tpcompile.integrations.hf_classes.model_class` picks (the config's
+    architectures, else the richest head its type registers: seq2seq, LM, bare model),
+    so any family's config can be planned.  The model's default attention
+    implementation is kept, so plans reflect what users actually run.
     """
-    task = task or _infer_task(config)
-    if task == TASK_CAUSAL_LM:
-        auto_cls: Any = AutoModelForCausalLM
-    elif task == TASK_MASKED_LM:
-        auto_cls = AutoModelForMaskedLM
-    else:
-        raise ValueError(f"task must be one of {_TASKS}, got {task!r}")
+    try:
+        auto_cls: Any = model_class(config, task)
+    except TPError as exc:
+        raise ValueError(str(exc)) from None
     with torch.device("meta"), _no_init_weights():
-        model = auto_cls.from_config(config)
+        model = auto_cls._from_config(config)
     # no_init_weights also stubs PreTrainedModel.init_weights, which is where
     # transformers ties the output head to the embeddings; redo the tying, otherwise
     # tied families (gpt2, gemma2, bert) would get a separate lm_head parameter.

@@ -26,6 +26,7 @@ from transformers import PreTrainedConfig
 
 from ..capture import example_inputs
 from ..errors import TPError
+from ..integrations.hf_classes import model_class
 from ..plan.modules import VocabEmbedding
 from ..plan.types import Role
 from .cost_render import kept_whole_lines
@@ -151,33 +152,6 @@ def resolve_config(model: str) -> tuple[PreTrainedConfig, str | None]:
     return presets.build_config(preset), preset.task
 
 
-def _model_class(config: PreTrainedConfig, task: str | None) -> type[nn.Module]:
-    """The class to instantiate: the preset's task, the config's architecture, else the
-    richest auto head the config has (seq2seq / LM heads, then the bare model)."""
-    import transformers as tf
-
-    from . import presets
-
-    autos: dict[str, Any] = {presets.TASK_CAUSAL_LM: tf.AutoModelForCausalLM,
-                             presets.TASK_MASKED_LM: tf.AutoModelForMaskedLM}
-    if task in autos:
-        return autos[task]._model_mapping[type(config)]
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(tf, arch, None)
-        if isinstance(cls, type):
-            return cls
-    order = [tf.AutoModelForSeq2SeqLM, tf.AutoModelForSpeechSeq2Seq] \
-        if getattr(config, "is_encoder_decoder", False) else []
-    try:
-        order.append(autos[presets._infer_task(config)])
-    except ValueError:
-        pass
-    for auto in [*order, tf.AutoModel]:
-        if type(config) in auto._model_mapping:
-            return auto._model_mapping[type(config)]
-    raise TPError(f"no transformers model class for {type(config).__name__}")
-
-
 def build_small_model(config: PreTrainedConfig, *, tp: int, layers: int = 2, task: str | None = None,
                       attn: str | None = None, dtype: str = "float32") -> nn.Module:
     """The shrunk model ``verify`` checks: ``shrink_config(config, tp)`` instantiated
@@ -185,7 +159,7 @@ def build_small_model(config: PreTrainedConfig, *, tp: int, layers: int = 2, tas
     float64 to tell a real difference from a summation order's rounding); ``attn`` is the
     attention implementation (default: the model's own default)."""
     small = shrink_config(config, tp, layers=layers)
-    cls = _model_class(small, task)
+    cls = model_class(small, task)
     kwargs = {"attn_implementation": attn} if attn else {}
     try:
         model = cls._from_config(small, dtype=getattr(torch, dtype), **kwargs)
