@@ -10,7 +10,8 @@ the id and its position; the largest valid id still gives the unsplit model's lo
 or read, and ``transform`` / ``parallelize`` of an already transformed model name its tp.
 Different prompts on the ranks of a TP group are refused in eval forwards and
 ``generate()`` as in training (every ``generate()`` call, and the first forwards of every
-evaluation, not only the model's first).  A label outside the vocabulary that is not -100 is
+evaluation, not only the model's first), and so are different images (a ViT's
+``pixel_values``) or ``inputs_embeds``.  A label outside the vocabulary that is not -100 is
 refused by the default and the loss-parallel loss (the unsplit model's cross-entropy
 raises ``IndexError``), and ids are checked under sequence parallelism and with a LoRA
 adapter on the split embedding.
@@ -132,10 +133,34 @@ def _per_rank(rank: int, world: int) -> dict:
             "copy_tokens": copied.generate(same, max_new_tokens=2, do_sample=False)[0].tolist()}
 
 
+def _pixels(rank: int, world: int) -> dict:
+    """Floating inputs are compared too: a ViT whose TP ranks get different images, and a
+    Llama fed different ``inputs_embeds``, are refused (training and eval) where the same
+    images still give the unsplit model's logits."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+                    image_size=16, patch_size=8, num_labels=3)
+    ref = ViTForImageClassification(cfg).eval()
+    model = tpcompile.transform(copy.deepcopy(ref), tp=world).eval()
+    same = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    mine = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(30 + rank))
+    with torch.no_grad():
+        err = (model(pixel_values=same).logits - ref(pixel_values=same).logits).abs().max().item()
+    errors = {"eval": refusal(lambda: model(pixel_values=mine))}
+    model.train()
+    errors["training"] = refusal(lambda: model(pixel_values=mine, labels=torch.tensor([0, 1])))
+    llama = tpcompile.transform(_model(), tp=world).eval()
+    embeds = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(40 + rank))
+    errors["inputs_embeds"] = refusal(lambda: llama(inputs_embeds=embeds))
+    return {"err": err, "errors": errors}
+
+
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
-    return run_cases(2, {"ids": (_ids,), "twice": (_twice,), "per_rank": (_per_rank,), "labels": (_labels,)},
-                     timeout=300)
+    return run_cases(2, {"ids": (_ids,), "twice": (_twice,), "per_rank": (_per_rank,), "labels": (_labels,),
+                         "pixels": (_pixels,)}, timeout=300)
 
 
 @pytest.mark.slow
@@ -144,6 +169,14 @@ def test_different_prompts_per_tp_rank_are_refused_in_eval_and_generate(world2: 
         for name, text in r["errors"].items():
             assert text is not None and "different batches" in text, (name, text)
         assert r["tokens"] == r["want"] == r["copy_tokens"], r
+
+
+@pytest.mark.slow
+def test_different_images_or_embeddings_per_tp_rank_are_refused(world2: CaseResults) -> None:
+    for r in world2["pixels"]:
+        assert r["err"] < 1e-5, r
+        for name, text in r["errors"].items():
+            assert text is not None and "different batches" in text, (name, text)
 
 
 @pytest.mark.slow

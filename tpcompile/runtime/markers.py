@@ -26,13 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import TPError
 
-__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "GuardWindow", "differing_ranks", "input_checksum", "integer_inputs",
+__all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "GuardWindow", "differing_ranks", "input_checksum", "guarded_inputs",
            "mark_model", "mesh_degrees"]
 
 # forwards whose inputs are compared across the TP (and CP) group after every switch between
 # training and eval mode (generate() compares its prompt at every call besides)
 GUARDED_FORWARDS = 2
-CHECKSUM_BYTES = 3 * 8  # input_checksum: three int64 per integer input tensor
+CHECKSUM_BYTES = 3 * 8  # input_checksum: three int64 per input tensor
 
 
 def mesh_degrees(model: nn.Module) -> tuple[int, int, int]:
@@ -90,7 +90,7 @@ def _guard_generate(model: nn.Module) -> None:
 
 
 def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    tensors = integer_inputs((*args, *kwargs.values()))
+    tensors = guarded_inputs((*args, *kwargs.values()))
     if tensors and dist.is_initialized():
         differ = differing_ranks(tensors, _tp_group(self))
         if differ:
@@ -106,8 +106,8 @@ def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class _InputGuard:
     """Forward pre-hook: in the first forwards after every switch between training and
     eval mode (an evaluation loop's first batches, each time it runs; the training steps
-    after it), every rank of the TP group must hold the same integer inputs (token ids,
-    labels).  One all-gather of a few int64 checksums per checked forward; the steps in
+    after it), every rank of the TP group must hold the same inputs (token ids, labels,
+    images).  One all-gather of a few int64 checksums per checked forward; the steps in
     between cost nothing."""
 
     def __init__(self) -> None:
@@ -116,7 +116,7 @@ class _InputGuard:
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         if not dist.is_initialized() or not self.window.due(bool(model.training)):
             return
-        tensors = integer_inputs((*args, *kwargs.values()))
+        tensors = guarded_inputs((*args, *kwargs.values()))
         if not tensors:
             return
         differ = differing_ranks(tensors, _tp_group(model))
@@ -148,10 +148,12 @@ class GuardWindow:
         return True
 
 
-def integer_inputs(values: Iterable[Any]) -> list[torch.Tensor]:
-    """The non-empty integer tensors among ``values`` (ids, labels, masks): what the
-    input guards compare."""
-    return [t for t in values if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel()]
+def guarded_inputs(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The non-empty tensors among ``values`` that the input guards compare: ids, labels
+    and masks, and floating inputs too (``pixel_values``, ``input_features``,
+    ``inputs_embeds``): a vision or audio model's ranks given different images would
+    otherwise compute a mix of each rank's shards silently."""
+    return [t for t in values if isinstance(t, torch.Tensor) and t.numel()]
 
 
 def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:
@@ -163,8 +165,17 @@ def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:
     return [r for r, x in enumerate(everyone) if x.shape != sums.shape or not torch.equal(x, everyone[0])]
 
 
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def input_checksum(t: torch.Tensor) -> torch.Tensor:
-    """Length, sum and position-weighted sum of an integer tensor: equal batches, equal sums."""
-    flat = t.detach().reshape(-1).long()
+    """Length, sum and position-weighted sum of a tensor's values (a floating tensor's
+    bits, read as integers of its width): equal batches, equal sums."""
+    flat = t.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    if flat.is_floating_point():
+        flat = flat.contiguous().view(_SAME_WIDTH_INT[flat.dtype.itemsize])
+    flat = flat.reshape(-1).long()
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.long)
     return torch.stack([torch.tensor(flat.numel(), device=flat.device), flat.sum(), (flat * weights).sum()])

@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import TPError
 from ..plan.stages import SCHEDULES
 from .loss import check_labels
-from .markers import differing_ranks, integer_inputs
+from .markers import differing_ranks, guarded_inputs
 from .pipeline import PipelineRun, shape_key, sum_tied_gradients
 from .torch_backend import check_ids
 
@@ -94,7 +94,7 @@ def _check_batch(run: PipelineRun, model: nn.Module, batch: dict[str, Any]) -> N
     first stage reads the ids while the last reads the labels: a loader that hands a
     pipeline's ranks different batches (a sampler sharding over every rank) would train
     on one batch's ids with another's labels, silently.  The first steps compare a
-    checksum of the integer inputs over the pp group, as the TP input guard does."""
+    checksum of the inputs over the pp group, as the TP input guard does."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
@@ -112,7 +112,7 @@ def _check_batch(run: PipelineRun, model: nn.Module, batch: dict[str, Any]) -> N
     if run.batch_checks <= 0:
         return
     run.batch_checks -= 1
-    tensors = integer_inputs(batch.values())
+    tensors = guarded_inputs(batch.values())
     if not tensors:
         return
     differ = differing_ranks(tensors, run.pp_mesh.get_group())

@@ -168,9 +168,9 @@ def eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, di
 def input_guard(tp: int, cp: int) -> dict[str, Any]:
     """What the input guard adds: in the first forwards after every switch between training
     and eval mode (each evaluation loop, and the training after it), every TP and CP group
-    all-gathers a checksum of each integer input tensor (ids and labels: two); every
+    all-gathers a checksum of each input tensor (ids and labels: two); every
     ``generate()`` call compares its prompt over the TP group once more (``generate``: per
-    integer input, e.g. ids and attention mask)."""
+    input tensor, e.g. ids and attention mask)."""
     groups = [g for g, n in (("tp", tp), ("cp", cp)) if n > 1]
     return {"forwards": GUARDED_FORWARDS if groups else 0, "groups": groups,
             "all_gather": {"count": len(groups), "bytes": len(groups) * 2 * CHECKSUM_BYTES,
