@@ -95,15 +95,33 @@ def _build(name: str, overrides: dict, meta: bool = False) -> torch.nn.Module:
 
         return build(name, meta=meta).train()
     torch.manual_seed(0)
+    if name == "vit":  # no token ids: priced per image
+        from transformers import ViTConfig, ViTForImageClassification
+
+        cfg = ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        image_size=16, patch_size=4, num_labels=10)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            return ViTForImageClassification(cfg)
     auto = AutoModelForMaskedLM if name == "bert" else AutoModelForCausalLM
     with torch.device("meta") if meta else contextlib.nullcontext():
         return auto.from_config(presets.tiny_config(name, **overrides))
 
 
+def _batch(name: str, seed: int) -> tuple[dict, dict]:
+    """A step's inputs with labels, and without them."""
+    gen = torch.Generator().manual_seed(seed)
+    if name == "vit":
+        pixels = torch.randn(BATCH, 3, 16, 16, generator=gen)
+        return {"pixel_values": pixels, "labels": torch.randint(0, 10, (BATCH,), generator=gen)}, \
+            {"pixel_values": pixels}
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids}, {"input_ids": ids}
+
+
 def _predicted(name: str, overrides: dict, tp: int, dp_shard: int, loss_parallel: bool) -> dict:
     model = _build(name, overrides)  # a fresh, untransformed copy: no process group needed
     plan = tpcompile.plan_model(model, tp, loss_parallel=loss_parallel)
-    cost = estimate_cost(model, plan, batch=BATCH, seq=SEQ, dp_shard=dp_shard)
+    cost = estimate_cost(model, plan, batch=BATCH, seq=None if name == "vit" else SEQ, dp_shard=dp_shard)
     out = {phase: {op: (v["count"], v["bytes"]) for op, v in ops.items() if v["count"]}
            for phase, ops in (*cost["per_step"].items(), *cost["eval_step"].items())}
     out["guard"] = cost["input_guard"]
@@ -121,9 +139,9 @@ def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, d
             tpcompile.transform(model, tp=tp, loss_parallel=loss_parallel)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         dp_rank = tpcompile.data_parallel_rank(model)[0] if dp_shard > 1 else 0
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(dp_rank))
+        labelled, bare = _batch(name, dp_rank)
         for _ in range(_WARMUP):  # a step's cost is the steady state's: no one-time work
-            model(ids, labels=ids).loss.backward()
+            model(**labelled).loss.backward()
             opt.step()
             opt.zero_grad()
         counted: dict[str, dict[str, tuple[int, int]]] = {}
@@ -132,7 +150,7 @@ def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, d
             log: dict[str, list[int]] = defaultdict(list)
             with _counting(log), Collectives() as mode:
                 if phase == "forward":
-                    loss = model(ids, labels=ids).loss
+                    loss = model(**labelled).loss
                 elif phase == "backward":
                     loss.backward()
                 else:
@@ -140,12 +158,12 @@ def _step(rank: int, world: int, cases: list[tuple]) -> list[tuple[dict, dict, d
             counted[phase] = {op: (len(v), sum(v)) for op, v in log.items() if v}
             debug[phase] = mode.count
         out.append((_predicted(name, overrides, tp, dp_shard, loss_parallel), counted, debug,
-                    _eval_steps(model, ids)))
+                    _eval_steps(model, labelled, bare)))
         dist.barrier()
     return out
 
 
-def _eval_steps(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, dict, int]]:
+def _eval_steps(model: torch.nn.Module, labelled: dict, bare: dict) -> list[tuple[str, dict, int]]:
     """Eval forwards under ``no_grad`` as an evaluation loop runs them: the first two with
     labels are the input guard's (its all-gather on top), the third is the steady state;
     then one without labels (no loss)."""
@@ -155,7 +173,7 @@ def _eval_steps(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, di
         for kind in ("guarded", "guarded", "labels", "no_labels"):
             log: dict[str, list[int]] = defaultdict(list)
             with _counting(log), Collectives() as mode:
-                model(ids) if kind == "no_labels" else model(ids, labels=ids)
+                model(**bare) if kind == "no_labels" else model(**labelled)
             out.append((kind, {op: (len(v), sum(v)) for op, v in log.items() if v}, mode.count))
     model.train()
     return out
@@ -172,6 +190,7 @@ _TP_CASES = [
     ("mamba", {}, 2, 1, False),
     ("olmo2", {}, 2, 1, False),
     ("dbrx", {}, 2, 1, False),  # an expert loop's module: its parent is the TP region
+    ("vit", {}, 2, 1, False),  # no token ids: a step priced per image
     ("llama", {}, 1, 2, False),  # FSDP2 alone (parallelize at tp=1, dp_shard=2)
 ]
 _FSDP_CASES = [(name, {}, 2, 2, False) for name in ("llama", "gpt2", "mixtral", "bert")]
@@ -272,6 +291,23 @@ def test_cost_without_tokens_is_per_token() -> None:
             assert v["bytes_per_token"] * BATCH * SEQ + v["fixed_bytes"] == want["bytes"]
     assert per_token["memory_per_rank"]["activations"] is None
     assert fixed["memory_per_rank"]["activations"] > 0
+
+
+def test_a_model_without_token_ids_is_priced_per_sample() -> None:
+    from tpcompile.tools.cost_render import render_summary
+
+    model = _build("vit", {}, meta=True)
+    plan = tpcompile.plan_model(model, 2)
+    per_sample = estimate_cost(model, plan)
+    fixed = estimate_cost(model, plan, batch=BATCH)
+    assert per_sample["unit"] == fixed["unit"] == "sample"
+    for phase in ("forward", "backward"):
+        for op, v in per_sample["per_step"][phase].items():
+            assert v["bytes_per_token"] * BATCH + v["fixed_bytes"] == fixed["per_step"][phase][op]["bytes"]
+    assert fixed["memory_per_rank"]["activations"] > 0
+    assert f"{BATCH} samples per rank" in render_summary(fixed) and "/sample" in render_summary(per_sample)
+    with pytest.raises(TPError, match="without seq"):
+        estimate_cost(model, plan, batch=BATCH, seq=SEQ)
 
 
 def test_memory_per_rank_shards_with_fsdp() -> None:

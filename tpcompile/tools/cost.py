@@ -149,14 +149,26 @@ def _module_calls(cap: Capture) -> list[_Call]:
     return calls
 
 
-def _capture_tokens(cap: Capture) -> int:
-    """Tokens of the example input the graph was traced with (its sizes are per this)."""
+def capture_unit(cap: Capture) -> tuple[int, str]:
+    """What the graph's activation sizes scale with, and how many of them it was traced
+    with: its token ids (``"token"``: ``B × S`` of them), else its main input's batch
+    (``"sample"``: an image, a clip or a spectrogram, whose size the config fixes)."""
+    samples = None
     for n in cap.graph.nodes:
         if n.op == "placeholder" and n.name in cap.user_inputs:
             v = _val(n)
             if isinstance(v, torch.Tensor) and not v.is_floating_point():
-                return v.numel()
-    raise TPError("cannot size collectives: the captured graph has no token-id input")
+                return v.numel(), "token"
+            if isinstance(v, torch.Tensor) and v.dim() and samples is None:
+                samples = int(v.shape[0])
+    if samples is None:
+        raise TPError("cannot size collectives: the captured graph has no tensor input")
+    return samples, "sample"
+
+
+def _capture_tokens(cap: Capture) -> int:
+    """How many units (tokens, else samples) the graph was traced with: its sizes are per this."""
+    return capture_unit(cap)[0]
 
 
 # ------------------------------------------------------------------ tensor parallel
@@ -330,9 +342,11 @@ def _loss_issues(model: nn.Module, plan: Plan, cap: Capture) -> list[Issue]:
 # ------------------------------------------------------------------ activations
 
 
-def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, cp: int = 1,
+def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int | None, cp: int = 1,
                          cap: Capture | None = None, fp8: bool = False) -> dict[str, Any]:
-    """Activation bytes one rank holds at the end of forward, for ``batch × seq`` tokens.
+    """Activation bytes one rank holds at the end of forward, for ``batch × seq`` tokens
+    (a model without token ids: ``batch`` samples of the size its config gives, ``seq``
+    unused).
 
     How: a copy of the model with every parameter at this rank's local (TP) shape, as
     fake CPU tensors (no memory), with the plan's attribute fix-ups, runs one training
@@ -421,6 +435,12 @@ def estimate_activations(model: nn.Module, plan: Plan, *, batch: int, seq: int, 
     try:
         if cp > 1:
             out, local = context_forward(shadow, mode, pack, cp, batch, seq)
+        elif capture_unit(cap)[1] == "sample":  # images, audio: the config sizes each sample
+            from ..capture import example_inputs
+
+            local = 1
+            with mode, FakeKernelFixes(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = shadow(**example_inputs(shadow, batch=batch, splice=False))
         else:
             local = seq
             with mode, FakeKernelFixes(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -472,7 +492,9 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
 
     ``batch × seq`` are the tokens each TP group processes per step (each data-parallel
     rank's micro-batch); without them, collective bytes are given per token (plus the
-    fixed, parameter-sized part) and activations are left out. ``dp_shard > 1`` adds
+    fixed, parameter-sized part) and activations are left out.  A model without token
+    ids (vision, audio: ``unit`` is ``"sample"``) is priced per sample of the size its
+    config gives: ``batch`` alone, no ``seq``.  ``dp_shard > 1`` adds
     FSDP2 (``FULL_SHARD``) on top of ``tp``, as ``tpcompile.parallelize`` builds it.
     ``fp8=True`` adds the amax all-reduces of FP8 projections (``fp8=True`` in transform);
     with ``dp_shard > 1`` their weights are all-gathered in FP8 (``parallelize``'s default);
@@ -487,12 +509,18 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         >>> cost["per_step"]["backward"]["all_reduce"]["count"]    # 2 per block + LM head
         5
     """
-    if (batch is None) != (seq is None):
-        raise TPError("give both batch and seq (tokens per step = batch × seq), or neither")
     for key, value in (("batch", batch), ("seq", seq), ("dp_shard", dp_shard)):
         if value is not None:
             check_degree(key, value)
     cap = capture(model)
+    unit = capture_unit(cap)[1]
+    if unit == "sample":  # no token ids: the config sizes each sample, so a step is its batch
+        if seq is not None or cp > 1:
+            raise TPError(f"{type(model).__name__} takes no token ids (its input is sized by its config): give "
+                          "batch (samples per step) without seq" + (", and no cp (it splits token sequences)"
+                                                                    if cp > 1 else ""))
+    elif (batch is None) != (seq is None):
+        raise TPError("give both batch and seq (tokens per step = batch × seq), or neither")
     issues, shared = trace_collectives(model, plan, cap)
     # under FSDP2 (parallelize) fp8=True gathers the FP8 projections' weights in FP8
     gathered = fp8_gathered(model, plan) if fp8 and dp_shard > 1 else frozenset()
@@ -504,7 +532,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         from .cost_context import context_issues
 
         issues += context_issues(model, plan, cp)
-    tokens = None if batch is None else batch * seq
+    tokens = None if batch is None else batch * (seq or 1)
     mem: dict[str, Any] = memory(model, plan, dp_shard)
     notes = []
     activations: dict[str, Any] | None = None
@@ -521,11 +549,12 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
             notes.append(f"activation estimate unavailable: {activations['error']}")
     else:
         mem["activations"] = None
-        notes.append("activations need --batch and --seq")
+        notes.append("activations need --batch and --seq" if unit == "token" else "activations need --batch")
     mem["total"] = sum(v for v in mem.values() if v is not None)
     per_step = totals(issues, tokens)
     return {
         "tp": plan.tp, "dp_shard": dp_shard, "cp": cp, "batch": batch, "seq": seq, "tokens": tokens, "fp8": fp8,
+        "unit": unit,
         "per_step": per_step,
         "eval_step": eval_step(issues, tokens),
         "input_guard": input_guard(plan.tp, cp),

@@ -93,13 +93,13 @@ def render_modules(cost: dict[str, Any], blocks: list[str]) -> list[str]:
     return lines or ["none"]
 
 
-def _ops(table: dict[str, dict[str, Any]], tokens: int | None) -> str:
+def _ops(table: dict[str, dict[str, Any]], tokens: int | None, unit: str = "token") -> str:
     parts = []
     for op, v in table.items():
         if not v["count"]:
             continue
         if tokens is None:
-            size = f"{human_bytes(v['bytes_per_token'])}/token" + \
+            size = f"{human_bytes(v['bytes_per_token'])}/{unit}" + \
                 (f" + {human_bytes(v['fixed_bytes'])}" if v["fixed_bytes"] else "")
         else:
             size = human_bytes(v["bytes"])
@@ -107,32 +107,43 @@ def _ops(table: dict[str, dict[str, Any]], tokens: int | None) -> str:
     return ", ".join(parts) or "none"
 
 
+def _unit(cost: dict[str, Any]) -> str:
+    """What the step's sizes scale with: ``token`` (B × S ids) or ``sample`` (an image, a clip)."""
+    return cost.get("unit", "token")
+
+
 def render_eval(cost: dict[str, Any]) -> str:
     """The eval step (an evaluation loop's forward) and what the input guard adds."""
-    tokens, ev, guard = cost["tokens"], cost["eval_step"], cost["input_guard"]
-    line = f"eval step (forward only): with labels {_ops(ev['labels'], tokens)}; without {_ops(ev['no_labels'], tokens)}"
+    tokens, ev, guard, unit = cost["tokens"], cost["eval_step"], cost["input_guard"], _unit(cost)
+    line = (f"eval step (forward only): with labels {_ops(ev['labels'], tokens, unit)}; "
+            f"without {_ops(ev['no_labels'], tokens, unit)}")
     if guard["forwards"]:
         g = guard["all_gather"]
         line += (f"; input guard: the first {guard['forwards']} forwards after each switch between training and eval "
                  f"mode add {g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: "
-                 "checksums of ids and labels)")
+                 "checksums of the inputs)")
         gen = guard["generate"]
         if gen["count"]:
             line += (f", and every generate() call {gen['count']} all_gather of {gen['bytes_per_input']} B per "
-                     "integer input (tp group: the prompt)")
+                     "input tensor (tp group: the prompt)")
     return line
 
 
 def render_summary(cost: dict[str, Any]) -> str:
     """The one summary line of a step: collectives, bytes, memory per rank."""
-    tokens = cost["tokens"]
-    phases = [f"{'fwd' if phase == 'forward' else 'bwd'} {_ops(cost['per_step'][phase], tokens)}"
+    tokens, unit = cost["tokens"], _unit(cost)
+    phases = [f"{'fwd' if phase == 'forward' else 'bwd'} {_ops(cost['per_step'][phase], tokens, unit)}"
               for phase in ("forward", "backward")]
     mem = cost["memory_per_rank"]
-    act = "activations need --batch/--seq" if tokens is None else \
+    flags = "--batch/--seq" if unit == "token" else "--batch"
+    act = f"activations need {flags}" if tokens is None else \
         "activations n/a" if mem["activations"] is None else f"activations {human_bytes(mem['activations'])}"
-    head = f"per step, {cost['batch']}×{cost['seq']} tokens per rank" if tokens is not None else \
-        "per step (bytes per token; --batch/--seq for totals)"
+    if tokens is None:
+        head = f"per step (bytes per {unit}; {flags} for totals)"
+    elif unit == "token":
+        head = f"per step, {cost['batch']}×{cost['seq']} tokens per rank"
+    else:
+        head = f"per step, {cost['batch']} samples per rank"
     return (f"{head}: {'; '.join(phases)}; memory per rank {human_bytes(mem['total'])} = params "
             f"{human_bytes(mem['parameters'])} + grads {human_bytes(mem['gradients'])} + AdamW "
             f"{human_bytes(mem['adamw_states'])} + {act}")
