@@ -63,11 +63,21 @@ def _param_through(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node])
     refs = [an.val(a) for a in args if isinstance(an.val(a), ParamRef) and not an.val(a).is_buffer]
     if len(refs) != 1:
         return None
-    others = [a for a in args if an.val(a) is not refs[0]]
-    if any(int(np.prod(an.shape(a))) > 1 for a in others):
-        return None
     ref = refs[0]
-    return ParamRef(ref.fqn, (None,) * (an.ndim(node) - len(ref.dims)) + ref.dims)
+    nd = an.ndim(node)
+    dims = (None,) * (nd - len(ref.dims)) + ref.dims
+    for a in args:
+        shape = an.shape(a)
+        if an.val(a) is ref or int(np.prod(shape)) <= 1:
+            continue
+        # a replicated value without gradient that the parameter's dims broadcast over
+        # (Swin's shifted-window mask, ``[windows, 1, N, N]``, added to the per-head
+        # position bias): slicing the parameter's dims slices the result alike
+        aligned = (1,) * (nd - len(shape)) + tuple(shape)
+        if isinstance(an.val(a), Feat | Partial) or a in an.tainted or any(
+                s > 1 and d is not None for s, d in zip(aligned, dims, strict=True)):
+            return None
+    return ParamRef(ref.fqn, dims)
 
 
 def pointwise(an: Analysis, node: torch.fx.Node) -> object:

@@ -105,7 +105,7 @@ def _split_dims(real_in: list[tuple], real_out: list[int]) -> list | None:
     if [s for _, s in real_in] == real_out:
         return [d for d, _ in real_in]
     for i, (d, size) in enumerate(real_in):
-        if not isinstance(d, int):
+        if d is not None and not isinstance(d, int):
             continue
         for k in range(2, len(real_out) - i + 1):
             factors = tuple(real_out[i:i + k])
@@ -113,8 +113,11 @@ def _split_dims(real_in: list[tuple], real_out: list[int]) -> list | None:
                 continue
             rest_in = [s for _, s in real_in[i + 1:]]
             if [s for _, s in real_in[:i]] == real_out[:i] and rest_in == real_out[i + k:]:
-                return ([e for e, _ in real_in[:i]] + [SubDim(d, factors, j) for j in range(k)]
-                        + [e for e, _ in real_in[i + 1:]])
+                # a dim that is no parameter dim (rows a table lookup gathered: Swin's
+                # relative position bias ``table[index].view(W, W, heads)``) splits into
+                # factors that are none either
+                split = [None] * k if d is None else [SubDim(d, factors, j) for j in range(k)]
+                return [e for e, _ in real_in[:i]] + split + [e for e, _ in real_in[i + 1:]]
     return None
 
 

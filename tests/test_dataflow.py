@@ -167,6 +167,46 @@ class Sometimes(nn.Module):
         return self.h(x)
 
 
+class Shifted(nn.Module):
+    """Swin's window attention in miniature: a per-head position bias read from a table
+    by a fixed index (``table[index].view(N, N, heads)``), and blocks of one structure
+    whose ``shift`` setting alone sends every second one down another path: it adds a
+    replicated mask and reshapes its scores by the module's global head count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Embedding(VOCAB, HIDDEN)
+        self.s = nn.ModuleList([Windowed(shift=i % 2) for i in range(4)])
+        self.h = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.t(input_ids)
+        for blk in self.s:
+            x = blk(x)
+        return self.h(x)
+
+
+class Windowed(nn.Module):
+    def __init__(self, shift: int) -> None:
+        super().__init__()
+        self.shift, self.heads = shift, HEADS
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.o = nn.Linear(HIDDEN, HIDDEN)
+        self.table = nn.Parameter(torch.randn(17, HEADS))
+        self.register_buffer("index", torch.arange(81).remainder(17), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, -1, HD).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index[: n * n]].view(n, n, -1).permute(2, 0, 1).unsqueeze(0)
+        scores = q @ k.transpose(-1, -2) + bias
+        if self.shift:  # only the shifted blocks: a mask, and the scores viewed by heads
+            mask = torch.triu(torch.full((n, n), -1e4, device=x.device), diagonal=1)
+            scores = (scores.view(b, 1, self.heads, n, n) + mask).view(b, -1, n, n)
+        out = scores.softmax(-1) @ v
+        return x + self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
 class Plus(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -378,11 +418,28 @@ def world2() -> CaseResults:
     return run_cases(2, {"blorp": (_blorp,), "bad tp": (_bad_tp,), "wobbles": (_blorp, Wobbles),
                          "sometimes": (_blorp, Sometimes), "tied_read": (_blorp, TiedRead),
                          "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
-                         "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders)})
+                         "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders),
+                         "shifted": (_blorp, Shifted)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
     for out_err, grad_err in world2["sometimes"]:
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_blocks_set_differently_are_traced_apart_and_exact(world2: CaseResults) -> None:
+    from tpcompile.capture import capture
+
+    with torch.device("meta"):
+        model = Shifted()
+    # the shifted blocks' own path is traced (one block stood for all four: the shifted
+    # ones' view by the global head count crashed at run time)
+    assert capture(model).stacks.members == {"s": [0, 1, 0, 1]}
+    plan = tpcompile.plan_model(model, tp=2)
+    # the position-bias table splits by heads with the attention, not kept whole
+    assert plan.params["s.0.table"].shard_dim == 1 and plan.params["s.1.table"].shard_dim == 1
+    assert plan.modules["s.1"].attr_fixups.get("heads") == [HEADS, HEADS // 2]
+    for out_err, grad_err in world2["shifted"]:
         assert out_err < 1e-5 and grad_err < 1e-5
 
 

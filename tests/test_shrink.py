@@ -14,7 +14,7 @@ from tpcompile.tools.verify import _inputs, build_small_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral",
             "bert", "t5", "vit", "whisper", "mamba", "deepseek_v3", "qwen2_moe", "gpt_oss", "falcon",
-            "bloom", "opt", "mamba2"]
+            "bloom", "opt", "mamba2", "swin", "swin2sr", "beit"]
 _MAX_PARAMS = 3_000_000  # "small": a forward on CPU in milliseconds
 
 

@@ -298,11 +298,17 @@ def verify_fixups(
         for attr, (glob, local) in changes.items():
             groups[(cls, attr, glob, local)].append(mod_name)
     kept: dict[str, dict[str, list[int]]] = {}
-    for (_, attr, glob, local), names in groups.items():
+    for (cls, attr, glob, local), names in groups.items():
+        # its twins too: every module of the class holding the same plain value (the blocks
+        # a traced one stands for).  Changed in one block alone, the setting would make
+        # that block a structure of its own to the capture, and the trace would change
+        # for that reason only
+        twins = [m for m in mods.values() if type(m).__qualname__ == cls and "." not in attr
+                 and type(vars(m).get(attr)) is int and vars(m)[attr] == glob]
         with contextlib.ExitStack() as stack:
             stack.enter_context(quiet_traces())
-            for name in names:
-                stack.enter_context(_patched(mods[name], attr, local))
+            for module in {id(m): m for m in [*(mods[n] for n in names), *twins]}.values():
+                stack.enter_context(_patched(module, attr, local))
             try:
                 matters = signature() != want
             except Exception:  # the new value reaches a shape and breaks the trace

@@ -55,6 +55,29 @@ def structural_signature(module: nn.Module) -> tuple:
     return tuple(parts)
 
 
+# A block's own position, which only its cache slot reads: equal blocks differ in it
+# everywhere, so it must not make each of a 126-layer stack a structure of its own.
+_POSITION_ATTRS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "block_id",
+                             "i_layer", "idx"})
+
+
+def _settings(block: nn.Module) -> tuple:
+    """The plain settings a block's forward branches on: its modules' int, bool and
+    string attributes (Swin's ``shift_size``: a shifted block rolls its input and masks
+    its windows, the block before it does neither; Gemma's ``attention_type``).  Blocks
+    of one structure with other settings run other code, so each needs a trace of its
+    own.  Floats (drop-path rates, which grow block by block) and a block's position are
+    left out."""
+    parts = []
+    for name, sub in block.named_modules():
+        values = tuple((k, v) for k, v in sorted(vars(sub).items())
+                       if not k.startswith("_") and k != "training" and k not in _POSITION_ATTRS
+                       and (v is None or isinstance(v, int | str)))
+        if values:
+            parts.append((name, values))
+    return tuple(parts)
+
+
 @dataclass
 class LayerStacks:
     """Repeated-block stacks found in the model and how the traced prefix maps to them.
@@ -122,7 +145,7 @@ def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]
             # heads; whole, it costs little to trace
             continue
         first: dict[tuple, int] = {}
-        reps = [first.setdefault(structural_signature(block), i) for i, block in enumerate(mod)]
+        reps = [first.setdefault((structural_signature(block), _settings(block)), i) for i, block in enumerate(mod)]
         if len(first) < len(mod):
             stacks[fqn] = (mod, reps)
     return stacks

@@ -40,6 +40,7 @@ _SLIDING_WINDOW = 8
 _LORA_RANK = 32
 _ROPE_HEAD_DIM = 8
 _PATCHES_PER_SIDE = 2
+_STAGE_HEAD_DIM = 8  # a head's width in a staged vision model's first stage
 
 # Field roles, by the name a config stores them under (raw keys, not attribute_map).
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
@@ -305,6 +306,11 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
             new[hidden_key] = lcm * max(1, math.ceil(max(head_counts) * hd / lcm))
         else:
             new[hidden_key] = size_for_tp(real_hidden, tp, _HIDDEN, multiple=2)
+        staged = [h for k in _HEAD_KEYS if isinstance(data.get(k), list) for h in data[k] if isinstance(h, int) and h > 0]
+        if staged and new[hidden_key] % math.lcm(*staged):
+            # heads per stage (Swin2SR's [6, 6, 6, 6], kept): a width every stage's heads divide
+            lcm = math.lcm(*staged)
+            new[hidden_key] = lcm * math.ceil(new[hidden_key] / lcm)
         for key in _get(data, _HIDDEN_ALIASES):
             if data[key] == real_hidden:
                 new[key] = new[hidden_key]
@@ -476,10 +482,34 @@ def _shrink_positions(data: dict[str, Any], new: dict[str, Any]) -> None:
     patch, image = data.get("patch_size"), data.get("image_size")
     if isinstance(patch, int) and isinstance(image, int) and image > patch * _PATCHES_PER_SIDE:
         new["image_size"] = patch * _PATCHES_PER_SIDE
+    _shrink_windows(data, new)
     tokens = data.get("mm_tokens_per_image")
     if isinstance(tokens, int) and tokens > _PATCHES_PER_SIDE ** 2:
         # pooled to a square of tokens per image (Gemma 3): no more than the patches
         new["mm_tokens_per_image"] = _PATCHES_PER_SIDE ** 2
+
+
+def _shrink_windows(data: dict[str, Any], new: dict[str, Any]) -> None:
+    """Window attention over stages (Swin: ``window_size``, ``depths``): windows of
+    ``_PATCHES_PER_SIDE`` patches a side, and an image whose last stage, after a 2x
+    patch merging per stage, still holds one window.  A smaller image makes the model
+    shrink its windows below its position-bias table's and fail."""
+    window, depths = data.get("window_size"), new.get("depths", data.get("depths"))
+    patch, image = data.get("patch_size"), new.get("image_size", data.get("image_size"))
+    if not (isinstance(window, int) and isinstance(depths, list) and depths
+            and isinstance(patch, int) and isinstance(image, int)):
+        return
+    window = min(window, _PATCHES_PER_SIDE)
+    new["window_size"] = window
+    new["image_size"] = max(image, patch * window * 2 ** (len(depths) - 1))
+    # two blocks a stage keep a plain and a shifted one; a width every stage's heads
+    # divide, 8 channels a head in the first stage (Swin doubles both per stage)
+    new["depths"] = [min(d, 2) if isinstance(d, int) else d for d in depths]
+    heads = new.get("num_heads", data.get("num_heads"))
+    if isinstance(heads, list) and heads and all(isinstance(h, int) and h > 0 for h in heads) \
+            and isinstance(data.get("embed_dim"), int):
+        lcm = math.lcm(*heads)
+        new["embed_dim"] = lcm * max(1, math.ceil(_STAGE_HEAD_DIM * heads[0] / lcm))
 
 
 # ---------------------------------------------------------------------------------
@@ -487,10 +517,24 @@ def _shrink_positions(data: dict[str, Any], new: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------
 
 
+def _shrink_backbone_outputs(data: dict[str, Any], new: dict[str, Any]) -> None:
+    """A backbone's ``out_indices`` (stage ``i`` = after layer ``i``) moved onto the kept
+    layers, each to the same place in the shorter stack, and ``out_features`` derived
+    from them again: BEiT's default names ``stage12``, which 2 layers do not have."""
+    indices, key = data.get("out_indices"), "num_hidden_layers"
+    total, kept = data.get(key), new.get(key)
+    if not (isinstance(indices, list) and isinstance(total, int) and isinstance(kept, int)) or kept == total:
+        return
+    moved = [0 if i == 0 else max(1, round(i * kept / total)) for i in indices if isinstance(i, int)]
+    new["out_indices"] = sorted(set(moved))
+    new["out_features"] = None
+
+
 def _shrink_flat(data: dict[str, Any], tp: int, layers: int) -> dict[str, Any]:
     new: dict[str, Any] = {}
     for key in _get(data, _LAYER_KEYS):
         _shrink_layers(data, new, key, layers)
+    _shrink_backbone_outputs(data, new)
     heads = _shrink_heads(data, new, tp)
     _shrink_widths(data, new, tp, heads)
     _shrink_ssm(data, new, tp)
