@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -72,18 +71,17 @@ def test_preset_metadata_is_consistent() -> None:
     assert get_preset("llama").checkpoint == "meta-llama/Meta-Llama-3-8B"
 
 
-def test_llama_405b_dimensions_and_build_time() -> None:
+def test_llama_405b_dimensions_and_meta_build() -> None:
+    # the build's time is the compile_time benchmark's to measure (a timed assertion here
+    # failed on a loaded host); here: the shape, and that nothing was allocated
     cfg = build_config("llama-405b")
     assert (cfg.hidden_size, cfg.num_hidden_layers) == (16384, 126)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (128, 8)
     assert (cfg.intermediate_size, cfg.vocab_size) == (53248, 128256)
     assert cfg.rope_parameters["rope_type"] == "llama3"
-    build_meta_model("llama-405b")  # warm-up: first call pays for module imports
-    start = time.perf_counter()
     model = build_meta_model("llama-405b")
-    elapsed = time.perf_counter() - start
     assert len(model.model.layers) == 126
-    assert elapsed < 1.0, f"meta build of llama-405b took {elapsed:.2f}s"
+    assert all(p.device.type == "meta" for p in model.parameters())
 
 
 def test_tied_embeddings_counted_once() -> None:
