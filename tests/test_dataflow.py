@@ -167,16 +167,13 @@ class Sometimes(nn.Module):
         return self.h(x)
 
 
-class Shifted(nn.Module):
-    """Swin's window attention in miniature: a per-head position bias read from a table
-    by a fixed index (``table[index].view(N, N, heads)``), and blocks of one structure
-    whose ``shift`` setting alone sends every second one down another path: it adds a
-    replicated mask and reshapes its scores by the module's global head count."""
+class BlockStack(nn.Module):
+    """Token ids through an embedding, a stack of ``blocks`` (each ``x -> x``) and a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__()
         self.t = nn.Embedding(VOCAB, HIDDEN)
-        self.s = nn.ModuleList([Windowed(shift=i % 2) for i in range(4)])
+        self.s = nn.ModuleList(blocks)
         self.h = nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -184,6 +181,16 @@ class Shifted(nn.Module):
         for blk in self.s:
             x = blk(x)
         return self.h(x)
+
+
+class Shifted(BlockStack):
+    """Swin's window attention in miniature: a per-head position bias read from a table
+    by a fixed index (``table[index].view(N, N, heads)``), and blocks of one structure
+    whose ``shift`` setting alone sends every second one down another path: it adds a
+    replicated mask and reshapes its scores by the module's global head count."""
+
+    def __init__(self) -> None:
+        super().__init__([Windowed(shift=i % 2) for i in range(4)])
 
 
 class Windowed(nn.Module):
@@ -345,18 +352,9 @@ class SizeReader(nn.Module):
         return x + self.out(y.transpose(1, 2).reshape(bsz, seq, width))
 
 
-class SizeReaders(nn.Module):
+class SizeReaders(BlockStack):
     def __init__(self) -> None:
-        super().__init__()
-        self.t = nn.Embedding(VOCAB, HIDDEN)
-        self.s = nn.ModuleList([SizeReader() for _ in range(2)])
-        self.h = nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.t(input_ids)
-        for blk in self.s:
-            x = blk(x)
-        return self.h(x)
+        super().__init__([SizeReader() for _ in range(2)])
 
 
 def test_sizes_read_at_run_time_are_made_local_at_their_lines() -> None:
