@@ -203,3 +203,17 @@ def test_lists_one_per_layer_and_routing_aliases_follow() -> None:
     torch.manual_seed(0)
     model = build_small_model(real, tp=2)
     model(**_inputs(model, torch.Generator().manual_seed(1)))
+
+
+def test_staged_vision_models_and_multimodal_rotary_run() -> None:
+    # ConvNeXt halves its grid each stage: 2x2 patches reached its third stage as 1x1,
+    # where the downsampling kernel does not fit; the image now keeps a patch to the end
+    small = shrink_config(AutoConfig.for_model("convnext"), 2)
+    assert small.image_size == small.patch_size * 2 ** (len(small.depths) - 1)
+    model = build_small_model(AutoConfig.for_model("convnext"), tp=2)
+    assert torch.isfinite(model(**_inputs(model, torch.Generator().manual_seed(1))).last_hidden_state).all()
+    # GLM-4V's rotary sections (default [8, 12, 12] in its code) follow the shrunk head
+    text = shrink_config(AutoConfig.for_model("glm4v"), 2).text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    sections = text.rope_parameters["mrope_section"]
+    assert sum(sections) == head_dim // 2 and len(sections) == 3 and min(sections) >= 1

@@ -483,6 +483,7 @@ def _shrink_positions(data: dict[str, Any], new: dict[str, Any]) -> None:
     if isinstance(patch, int) and isinstance(image, int) and image > patch * _PATCHES_PER_SIDE:
         new["image_size"] = patch * _PATCHES_PER_SIDE
     _shrink_windows(data, new)
+    _shrink_stages(data, new)
     tokens = data.get("mm_tokens_per_image")
     if isinstance(tokens, int) and tokens > _PATCHES_PER_SIDE ** 2:
         # pooled to a square of tokens per image (Gemma 3): no more than the patches
@@ -510,6 +511,39 @@ def _shrink_windows(data: dict[str, Any], new: dict[str, Any]) -> None:
             and isinstance(data.get("embed_dim"), int):
         lcm = math.lcm(*heads)
         new["embed_dim"] = lcm * max(1, math.ceil(_STAGE_HEAD_DIM * heads[0] / lcm))
+
+
+def _shrink_mrope(cls: type, data: dict[str, Any]) -> None:
+    """Multimodal rotary sections (temporal, height, width: GLM-4V, Qwen2-VL) that sum to
+    the shrunk head's rotary half, in the real ones' ratio (2:3:3 where the default lives
+    in the model's code, sized for the real head)."""
+    rope = data.get("rope_parameters")
+    if "mrope_section" not in getattr(cls, "ignore_keys_at_rope_validation", ()) or not isinstance(rope, dict):
+        return
+    heads, hidden = data.get("num_attention_heads"), data.get("hidden_size")
+    head_dim = data.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
+    if not isinstance(head_dim, int):
+        return
+    half = int(head_dim * rope.get("partial_rotary_factor", data.get("partial_rotary_factor") or 1.0)) // 2
+    given = rope.get("mrope_section")
+    ratio = given or [2, 3, 3]
+    if half < len(ratio) or (given and sum(given) == half):
+        return
+    sections = [max(1, half * r // sum(ratio)) for r in ratio]
+    sections[-1] += half - sum(sections)
+    data["rope_parameters"] = {**rope, "mrope_section": sections}
+
+
+def _shrink_stages(data: dict[str, Any], new: dict[str, Any]) -> None:
+    """A hierarchical vision model (``depths`` per stage, halving its grid each stage:
+    ConvNeXt) gets an image whose last stage still holds a patch: 2x2 patches would
+    reach its third stage as 1x1 and its downsampling kernel would not fit."""
+    depths, window = new.get("depths", data.get("depths")), data.get("window_size")
+    patch, image = data.get("patch_size"), new.get("image_size", data.get("image_size"))
+    if isinstance(window, int) or not (isinstance(depths, list) and len(depths) > 1
+                                       and isinstance(patch, int) and isinstance(image, int)):
+        return
+    new["image_size"] = max(image, patch * 2 ** (len(depths) - 1))
 
 
 # ---------------------------------------------------------------------------------
@@ -592,6 +626,7 @@ def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -
         if isinstance(sub, PreTrainedConfig):
             data[key] = shrink_config(sub, tp, layers=layers).to_dict()
     data.update(_shrink_flat(data, tp, layers))
+    _shrink_mrope(type(config), data)
     data["dtype"] = "float32"  # exact comparisons need float32 on CPU
     data.pop("transformers_version", None)
     return type(config).from_dict(data)
