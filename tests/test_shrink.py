@@ -14,7 +14,7 @@ from tpcompile.tools.verify import _inputs, build_small_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral",
             "bert", "t5", "vit", "whisper", "mamba", "deepseek_v3", "qwen2_moe", "gpt_oss", "falcon",
-            "bloom", "opt", "mamba2", "swin", "swin2sr", "beit"]
+            "bloom", "opt", "mamba2", "swin", "swin2sr", "beit", "qwen2_5_vl", "qwen3_vl"]
 _MAX_PARAMS = 3_000_000  # "small": a forward on CPU in milliseconds
 
 
@@ -217,3 +217,8 @@ def test_staged_vision_models_and_multimodal_rotary_run() -> None:
     head_dim = text.hidden_size // text.num_attention_heads
     sections = text.rope_parameters["mrope_section"]
     assert sum(sections) == head_dim // 2 and len(sections) == 3 and min(sections) >= 1
+    # a vision tower's depth shrinks like layers, its block-index lists with it (Qwen2.5-VL's
+    # full-attention blocks, Qwen3-VL's deepstack taps): one windowed and one full block
+    vision = shrink_config(AutoConfig.for_model("qwen2_5_vl"), 2).vision_config
+    assert (vision.depth, vision.fullatt_block_indexes) == (2, [1])
+    assert shrink_config(AutoConfig.for_model("qwen3_vl"), 2).vision_config.deepstack_visual_indexes == [1]

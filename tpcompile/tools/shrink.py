@@ -44,7 +44,7 @@ _STAGE_HEAD_DIM = 8  # a head's width in a staged vision model's first stage
 
 # Field roles, by the name a config stores them under (raw keys, not attribute_map).
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
-               "encoder_layers", "decoder_layers")
+               "encoder_layers", "decoder_layers", "depth")  # depth: Qwen-VL / GLM-4V vision towers
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
               "decoder_attention_heads")
 _KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
@@ -135,7 +135,8 @@ def _period_pairs(data: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _per_layer_fields(data: dict[str, Any], layers: int) -> tuple[list[str], list[str]]:
-    """Fields with one entry per layer (lists / pattern strings) and layer-index lists."""
+    """Fields with one entry per layer (lists / pattern strings) and layer-index lists
+    (``mlp_only_layers``; a vision tower's ``fullatt_block_indexes``)."""
     per_layer, indices = [], []
     for key, value in data.items():
         # a list as long as the layers is one entry per layer whatever its name (Bailing's
@@ -144,7 +145,7 @@ def _per_layer_fields(data: dict[str, Any], layers: int) -> tuple[list[str], lis
         if isinstance(value, (list, str)) and len(value) == layers and layers > 1 and (
                 named or isinstance(value, list) and layers >= _PER_LAYER_LENGTH):
             per_layer.append(key)
-        elif ("layer" in key and isinstance(value, list) and value
+        elif (("layer" in key or "index" in key) and isinstance(value, list) and value
               and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)):
             indices.append(key)
     return per_layer, indices
