@@ -765,3 +765,28 @@ def test_the_analysis_settles_however_many_passes_it_takes() -> None:
     plan = tpcompile.plan_model(model, tp=2)
     assert plan.stats["analysis_passes"] > 12
     assert any(p.role is Role.COLUMN for p in plan.params.values())
+
+
+class _SharedAndSliced(nn.Module):
+    """A module held under two names and blocks reached through a slice of their list:
+    export then names modules by the way the forward reached them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.alias = self.shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return self.alias(x)
+
+
+def test_captured_modules_go_by_their_own_names() -> None:
+    from tpcompile.analysis.propagate import innermost_module
+    from tpcompile.capture import capture
+
+    cap = capture(_SharedAndSliced(), example_args=(torch.randn(2, 8),), cut_stacks=False)
+    # not ``layers.slice(1, None, None).0`` or ``alias``: the names parameters' owners have
+    assert {innermost_module(n) for n in cap.graph.nodes} - {""} == {"layers.1", "layers.2", "shared"}

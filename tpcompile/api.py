@@ -38,6 +38,7 @@ from .plan.layout import (
     layout_search,
 )
 from .rules import default_rules
+from .runtime.adapters import refuse_cache_prefixes
 from .runtime.backend import BACKENDS as _BACKENDS
 from .runtime.backend import make_backend
 from .runtime.materialize import Materializer
@@ -123,6 +124,7 @@ def transform(
     check_degree("tp", tp)  # before anything is traced or meshed
     check_degree("ep", ep)
     _refuse_transformed(model)
+    refuse_cache_prefixes(model)
     if backend not in _BACKENDS:
         raise TPError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     tp_mesh = tp_mesh_of(model, tp, mesh)
@@ -326,6 +328,7 @@ def parallelize(
     if layout is None:  # degrees, strategy and config are checked before the group is required
         resolve_config(config, **explicit)
     _refuse_transformed(model)
+    refuse_cache_prefixes(model)
     if not dist.is_available() or not dist.is_initialized():
         raise TPError("tpcompile.parallelize needs an initialized process group: launch with torchrun "
                       "and call torch.distributed.init_process_group() first")

@@ -40,7 +40,7 @@ from .state import Feat, ParamRef
 if TYPE_CHECKING:
     from .reentry import Reentry
 
-__all__ = ["UnsummedGradient", "rank_of", "splits", "unsummed_gradients"]
+__all__ = ["UnsummedGradient", "applied_inside_entry", "rank_of", "splits", "unsummed_gradients"]
 
 aten = torch.ops.aten
 
@@ -145,3 +145,32 @@ def unsummed_gradients(an: Analysis, part: Partition, layouts: dict, summed: set
                 found.append(UnsummedGradient(innermost_module(node), op, v.fqn, region,
                                                via="is applied to a re-entered row sum"))
     return found
+
+
+def applied_inside_entry(an: Analysis, entries: dict[fx.Node, str]) -> set[str]:
+    """The whole parameters a module applies to a column contraction's input between the
+    module's entry and the contraction (``entries``: contraction node -> the module whose
+    inputs enter the TP region for it).
+
+    The entry sums the gradient of the module's *inputs* only.  A parameter of the module
+    applied on the way (AdaLoRA's ``lora_A`` and ``lora_E`` in the projection's own
+    forward, before its split ``lora_B``) gets from each rank the part of its gradient
+    that rank's features give: it must be all-reduced (``GradSum``)."""
+    out: set[str] = set()
+    for contraction, module in entries.items():
+        prefix = module + "."
+        todo = [x for x in contraction.all_input_nodes if not isinstance(an.value.get(x), ParamRef)]
+        seen: set[fx.Node] = set()
+        while todo:
+            x = todo.pop()
+            where = innermost_module(x)
+            if x in seen or x.op != "call_function" or not (where == module or where.startswith(prefix)):
+                continue  # the module's inputs (and what precedes them) enter as they are
+            seen.add(x)
+            for y in x.all_input_nodes:
+                v = an.value.get(y)
+                if not isinstance(v, ParamRef):
+                    todo.append(y)
+                elif not v.is_buffer and v.fqn.startswith(prefix):
+                    out.add(v.fqn)
+    return out

@@ -27,7 +27,7 @@ from ..errors import TPError
 from .addends import addend_params
 from .entries import EntryPaths, EntrySlice, entry_slice
 from .exits import loop_parents
-from .gradients import along, rank_of, unsummed_gradients, varies
+from .gradients import along, applied_inside_entry, rank_of, unsummed_gradients, varies
 from .heads import gathered_heads, heads_off_the_last_dim, readers_of_gathered_heads
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
@@ -571,6 +571,12 @@ def _assign(a: Analyzed, outputs: np.ndarray) -> None:
                 a.embedding[e.fqn].append(e.module)
             # what the module computes from each rank's masked rows holds partial gradients
             a.grad_allreduce |= tail_params(an, e)
+    # a column whose own module enters the region: what that module applies to the
+    # contraction's input before it is summed nowhere else
+    a.grad_allreduce |= applied_inside_entry(an, {
+        c.node: c.module for c in an.columns if c.fqn in a.column and c.fqn not in a.reentry.columns
+        and c.module not in a.loop_parents.values() and not any(c.module.startswith(p + ".")
+                                                                 for p in a.loop_parents.values())})
     for fqn in list(a.grad_allreduce):
         if fqn in a.layouts:
             a.grad_allreduce.discard(fqn)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .canonical import canonical_aliases, canonical_module_paths
 from .inputs import _EXAMPLE_BATCH, _EXAMPLE_SEQ, _example_inputs, text_only  # noqa: F401 - re-exported
 
 __all__ = ["Capture", "LayerStacks", "capture", "cut_to_traced", "data_dependent", "every_position_nonzero", "layer_stacks",
@@ -216,6 +217,13 @@ def layer_stacks(model: nn.Module) -> LayerStacks:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict,
             preserve: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
+    ep = _export_retrying(model, args, kwargs, preserve)
+    canonical_module_paths(ep.graph, model)  # while a cut stack is still cut
+    return ep
+
+
+def _export_retrying(model: nn.Module, args: tuple, kwargs: dict,
+                     preserve: tuple[str, ...]) -> torch.export.ExportedProgram:
     told = io.StringIO()  # export prints the graph of a failed trace to stderr
     try:
         with contextlib.redirect_stderr(told), quiet_traces():
@@ -267,26 +275,6 @@ def quiet_traces() -> Iterator[None]:
 
 
 # ATen's alias ops that torch.export may keep (Gemma 3n's ``torch.multiply``): the same
-# op under another name, rewritten to the name the rules and the runtime know
-_ALIASES = {"multiply": "mul", "divide": "div", "subtract": "sub", "greater": "gt", "greater_equal": "ge",
-            "less": "lt", "less_equal": "le", "not_equal": "ne", "negative": "neg", "absolute": "abs",
-            "arctan": "atan", "clip": "clamp", "multiply_": "mul_", "divide_": "div_", "subtract_": "sub_"}
-
-
-def canonical_aliases(graph: torch.fx.Graph) -> None:
-    """Rewrite every alias op of ``graph`` (``aten.multiply.Tensor``) to its canonical
-    overload (``aten.mul.Tensor``): the same computation, one name for the analysis."""
-    aten = torch.ops.aten
-    for node in graph.nodes:
-        packet = getattr(node.target, "overloadpacket", None)
-        name = getattr(packet, "__name__", "").split(".")[-1]
-        if node.op != "call_function" or name not in _ALIASES:
-            continue
-        canonical = getattr(getattr(aten, _ALIASES[name]), node.target._overloadname, None)
-        if canonical is not None:
-            node.target = canonical
-
-
 # the size a dim only real data sizes gets in the captured graph (the tokens one of
 # JetMoE's experts receives, ``split`` by counts read with ``tolist()``): a count of
 # positions, never of features, which the analysis only needs to be some fixed int

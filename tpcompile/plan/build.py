@@ -393,7 +393,9 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         for n in [name, *pp.tied_to]:  # the name under which an outside read reaches it
             up = scopes.get(cap.stacks.representative(n))
             if up:  # same number of levels above the owner in every block of a stack
-                pp.scope = ".".join(n.split(".")[:-1 - up])
+                pp.scope = _runs_forward(model, ".".join(n.split(".")[:-1 - up]))
+                if pp.role is Role.GRAD_ALLREDUCE:
+                    _grad_sum_in_scope(pp, modules)
                 break
         else:
             if pp.module and not any(cap.stacks.representative(n) in captured for n in [name, *pp.tied_to]):
@@ -414,6 +416,34 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     stacks = cap.stacks if cap.stacks.members else layer_stacks(model)
     plan.blocks = [f"{stack}.{i}" for stack, reps in stacks.members.items() for i in range(len(reps))]
     return plan
+
+
+def _grad_sum_in_scope(pp: ParamPlan, modules: dict[str, ModulePlan]) -> None:
+    """The gradient sum of a parameter its scope reads moves from its owner to the scope,
+    under its path there: the scope's swap hands the code the local tensor for its whole
+    forward (an owner's forward may never run: PEFT keeps AdaLoRA's vectors in a
+    ``ParameterDict``), and sums its gradient there, once."""
+    prefix = f"{pp.scope}." if pp.scope else ""
+    for name in [pp.fqn, *pp.tied_to]:
+        owner, _, leaf = name.rpartition(".")
+        mp = modules.get(owner)
+        op = mp.op(GradSum) if mp is not None else None
+        if op is not None and leaf in op.params:
+            mp.ops.remove(op)
+            if len(op.params) > 1:
+                mp.add(GradSum(params=tuple(x for x in op.params if x != leaf)))
+            elif not mp.ops and not mp.attr_fixups:
+                del modules[owner]
+    scoped = modules.setdefault(pp.scope, ModulePlan(fqn=pp.scope))
+    scoped.add(GradSum(params=(pp.fqn[len(prefix):],)))
+
+
+def _runs_forward(model: nn.Module, scope: str) -> str:
+    """``scope``, or its nearest ancestor with a forward of its own: a container
+    (``ModuleList``) is only indexed, so a swap around its forward would never run."""
+    while scope and isinstance(model.get_submodule(scope), (nn.ModuleList, nn.ModuleDict)):
+        scope = scope.rpartition(".")[0]
+    return scope
 
 
 def _all_names(model: nn.Module) -> dict[str, list[str]]:

@@ -48,7 +48,8 @@ from ..plan.types import Plan
 from .apply import apply_plan
 from .guard import held, settle
 
-__all__ = ["adopt_plan", "global_twin", "is_peft_model", "size_adapters_globally", "when_imported"]
+__all__ = ["adopt_plan", "global_twin", "is_peft_model", "refuse_cache_prefixes", "size_adapters_globally",
+           "when_imported"]
 
 _PLANNED = "_tpcompile_planned"
 
@@ -75,6 +76,7 @@ def size_adapters_globally() -> None:
     already is); idempotent."""
     when_imported("peft.tuners.tuners_utils", _patch_sizing)
     when_imported("peft.tuners.tuners_utils", _patch_injection)
+    when_imported("peft.peft_model", _patch_prompt_encoder)
 
 
 def _patch_injection(utils: Any) -> None:
@@ -114,6 +116,53 @@ def _patch_sizing(utils: Any) -> None:
     for name, mod in list(sys.modules.items()):
         if (name == "peft" or name.startswith("peft.")) and getattr(mod, "_get_in_out_features", None) is original:
             mod._get_in_out_features = patched
+
+
+# PEFT methods that give every attention layer learned keys and values through
+# ``past_key_values``: a cache built outside the model, holding every head
+_CACHE_PREFIXES = ("PREFIX_TUNING", "CARTRIDGE")
+
+
+def _cache_prefix_error(method: str, fix: str) -> TPError:
+    return TPError(
+        f"PEFT's {method} feeds every attention layer learned keys and values for all its heads as a cache "
+        "(past_key_values) built outside the model: tpcompile neither captures a cache passed in nor splits "
+        f"its heads, so the attention would run on mismatched heads. {fix}; LoRA-family adapters, IA3, VeRA "
+        "and prompt tuning split exactly")
+
+
+def refuse_cache_prefixes(model: nn.Module) -> None:
+    """A PEFT model whose adapters are key/value prefixes (prefix tuning, cartridges) is
+    a :class:`TPError` before anything is traced."""
+    if not is_peft_model(model):
+        return
+    for name, config in model.peft_config.items():
+        method = str(getattr(getattr(config, "peft_type", None), "value", ""))
+        if method in _CACHE_PREFIXES:
+            raise _cache_prefix_error(f"{method.lower().replace('_', ' ')} (adapter {name!r})",
+                                      "Train it on the plain model (data parallelism only, e.g. FSDP2's "
+                                      "fully_shard)")
+
+
+def _patch_prompt_encoder(peft_model: Any) -> None:
+    """Adding prefix adapters to a model whose heads are split is refused right away, not
+    at its first forward (where the prefix and the local keys would not concatenate)."""
+    cls = getattr(peft_model, "PeftModel", None)
+    setup = getattr(cls, "_setup_prompt_encoder", None)
+    if setup is None or hasattr(setup, "_tpcompile_original"):
+        return
+
+    def _setup_prompt_encoder(self: Any, adapter_name: str) -> Any:
+        config = self.peft_config[adapter_name]
+        method = str(getattr(getattr(config, "peft_type", None), "value", ""))
+        plan = getattr(self.base_model, "tpcompile_plan", None)
+        if method in _CACHE_PREFIXES and plan is not None and plan.tp > 1:
+            raise _cache_prefix_error(f"{method.lower().replace('_', ' ')} (adapter {adapter_name!r})",
+                                      f"This model's attention heads are split over tp={plan.tp} ranks")
+        return setup(self, adapter_name)
+
+    _setup_prompt_encoder._tpcompile_original = setup
+    cls._setup_prompt_encoder = _setup_prompt_encoder
 
 
 def is_peft_model(model: nn.Module) -> bool:

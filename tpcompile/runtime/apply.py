@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import apply_fixups, localize_embedding
 from ..plan.modules import ModulePlan, VocabEmbedding
-from ..plan.types import ParamPlan, Plan
+from ..plan.types import ParamPlan, Plan, Role
+from . import comm
 from .grad_norm import register_copies
 from .rows import LocalRows, shared_rows, shares_rows
 from .state_dict import install_state_dict_hooks
@@ -31,7 +32,9 @@ def _owner(fqn: str) -> tuple[str, str]:
 def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool = True) -> nn.Module:
     """Shard parameters and install hooks per ``plan`` (in place).  ``root_hooks=False``:
     the root already has the backend's per-forward reset (a plan for added modules)."""
-    mods = dict(model.named_modules())
+    # every name of a module: PEFT's prompt tuning holds the input embedding a second
+    # time as ``word_embeddings``, and a tied name may be owned under that one
+    mods = dict(model.named_modules(remove_duplicate=False))
     swaps: dict[str, list[str]] = defaultdict(list)
     scoped: dict[str, list[str]] = defaultdict(list)  # module -> descendants' param paths
     done: dict[int, nn.Parameter] = {}
@@ -52,8 +55,12 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
         # ``self.unembedding_projection.weight``, tied to an embedding's projection); every
         # other name is swapped by its owner
         under = set() if pp.scope is None else {n for n in names if not pp.scope or n.startswith(pp.scope + ".")}
+        installed: set[tuple[int, str]] = set()
         for alias in names:
             am, ap = _owner(alias)
+            if (id(mods[am]), ap) in installed:  # one module under two names: swapped once
+                continue
+            installed.add((id(mods[am]), ap))
             mods[am]._parameters[ap] = new
             if alias in under:
                 scoped[pp.scope].append(alias[len(pp.scope) + 1:] if pp.scope else alias)
@@ -118,6 +125,8 @@ def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend
             p = sub._parameters[leaf]
             saved.append((sub, leaf, p))
             local = p.to_local() if isinstance(p, DTensor) else p
+            if pp.role is Role.GRAD_ALLREDUCE:  # the scope's GradSum (plan/build.py)
+                local = comm.all_reduce_grad(local, backend.group)
             sub._parameters[leaf] = shared_rows(local, pp, rows.get(path), backend.group)
 
     def post(mod: nn.Module, args: tuple, out: Any) -> None:

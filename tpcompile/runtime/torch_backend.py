@@ -140,6 +140,11 @@ class TorchBackend:
         last = self._last
         if last is not None and last[0] is t and last[1] == version:
             return last[2]
+        if last is not None and last[2] is t:
+            # the copy itself, passed on by a module that entered the region to a module
+            # it calls (AdaLoRA's projection reads ``x`` beside its base layer): entering
+            # twice would sum the base layer's input gradient twice
+            return t
         out = comm.copy_to_tp(t, self.group)
         self._last = (t, version, out)
         return out
@@ -281,6 +286,8 @@ class OpHooks:
 class _GradSumHooks(OpHooks):
     def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
         for name in self.op.params:
+            if "." in name:  # a descendant's, read by this module's code: its scoped swap sums it
+                continue
             saved.setdefault(name, mod._parameters[name])
             mod._parameters[name] = comm.all_reduce_grad(mod._parameters[name], self.group)
 
