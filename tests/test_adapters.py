@@ -152,6 +152,11 @@ KINDS = {  # other adapter kinds: planned exactly, or refused with a TPError
     # its vectors (ParameterDicts) applied in the projection's own forward before its split B
     "adalora": ("AdaLoraConfig", {"init_r": 4, "target_r": 2, "total_step": 10,
                                   "target_modules": ["q_proj", "v_proj", "down_proj"]}),
+    # its own row product added to its row-parallel base layer's output, inside the wrapper
+    "miss": ("MissConfig", {"r": 4, "target_modules": ["q_proj", "down_proj"]}),
+    # one vector bank (a ParameterDict) every adapted layer holds and indexes in its forward
+    "vblora": ("VBLoRAConfig", {"r": 4, "target_modules": ["q_proj", "v_proj"], "vector_length": 4,
+                                "num_vectors": 16}),
     # the input embedding held a second time, as ``word_embeddings``
     "prompt": ("PromptTuningConfig", {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}),
     # keys and values for every head, passed in as a cache
@@ -413,13 +418,16 @@ def test_lora_added_before_transform_trains_exactly(world2: CaseResults) -> None
 def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
     for r in world2["kinds"]:
         for case in ("ia3_after", "ia3_before", "lora_embedding_after", "lora_embedding_before",
-                     "modules_to_save_before", "vera_before", "prompt_before", "prompt_after", "adalora_before"):
+                     "modules_to_save_before", "vera_before", "prompt_before", "prompt_after", "adalora_before",
+                     "miss_before", "vblora_before"):
             assert r[case][0] == "exact" and r[case][1] < TOL, (case, r[case])  # outputs and gradients
         # VeRA's projections, shared by q (64 rows) and v (32), cannot follow q's heads onto
         # their ranks: the adapted model keeps the attention whole, which transform had split
         assert r["vera_after"][0] == "refused" and "vera_lambda" in r["vera_after"][1], r
         # AdaLoRA's own gates read the bases' features whole: it would re-split the MLP
         assert r["adalora_after"][0] == "refused" and "lora_E" in r["adalora_after"][1], r
+        for kind in ("miss", "vblora"):  # exact, or refused naming what it adds
+            assert r[f"{kind}_after"][0] == "exact" and r[f"{kind}_after"][1] < TOL or kind in r[f"{kind}_after"][1], r
         # prefix tuning's keys and values for every head arrive as a cache: refused in both
         # orders before any forward, naming it and what splits instead
         for order in ("after", "before"):

@@ -314,15 +314,23 @@ def _slice_layout(fqn: str, pd: int | None, part: Partition, atoms: np.ndarray, 
 
 
 def _reduce_checks(an: Analysis, part: Partition) -> set:
-    """A partial sum must leave the module that computed it before it is reduced."""
+    """A partial sum must leave the module that computed it before it is reduced, and
+    must not join, unreduced, a partial sum its module's caller computes: each row module
+    all-reduces where it returns, so the caller's reduce would sum the inner one's again
+    (PEFT's MiSS adds its own row product to its row-parallel base layer's output)."""
     force: set = set()
     for rp in an.reduce_points:
         path = module_path(rp.node) if rp.node.op != "output" else []
-        for ri in rp.rows:
-            row = an.rows[ri]
-            if (row.fqn, row.in_dim) in part.layouts and row.module in path:
+        split = [an.rows[ri] for ri in rp.rows if (an.rows[ri].fqn, an.rows[ri].in_dim) in part.layouts]
+        for row in split:
+            if row.module in path or any(_inside(row.module, other.module) for other in split):
                 force |= _region_blocks(part, an, row.atoms)
     return force
+
+
+def _inside(module: str, outer: str) -> bool:
+    """Is ``module`` a strict descendant of ``outer``?"""
+    return module != outer and (outer == "" or module.startswith(outer + "."))
 
 
 def _structural(an: Analysis, part: Partition, outputs: np.ndarray, why: dict) -> set:
@@ -510,7 +518,7 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
             _because(why, blocks, reason)
             reduced |= blocks
         a.retie |= _opened_by(stat_blocks, reduced)
-        _because(why, reduced, "a partial sum is reduced inside the module that computed it")
+        _because(why, reduced, "a partial sum is reduced inside the module that computed it, or joins one its caller computes")
         seen = len(notes)
         aligned = _aligned_checks(a, entry_paths) - forced
         _because(why, aligned, "; ".join(notes[seen:]) or "a whole value would need a slice of split features")

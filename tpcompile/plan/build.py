@@ -49,7 +49,7 @@ from .modules import (
     SplitStats,
     VocabEmbedding,
 )
-from .types import ParamPlan, Plan, Role, index_to_runs, runs_to_index
+from .types import ParamPlan, Plan, Role, forward_holder, index_to_runs, runs_to_index
 
 __all__ = ["build_plan", "plan_model"]
 
@@ -393,7 +393,7 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         for n in [name, *pp.tied_to]:  # the name under which an outside read reaches it
             up = scopes.get(cap.stacks.representative(n))
             if up:  # same number of levels above the owner in every block of a stack
-                pp.scope = _runs_forward(model, ".".join(n.split(".")[:-1 - up]))
+                pp.scope = forward_holder(model, ".".join(n.split(".")[:-1 - up]))
                 if pp.role is Role.GRAD_ALLREDUCE:
                     _grad_sum_in_scope(pp, modules)
                 break
@@ -436,14 +436,6 @@ def _grad_sum_in_scope(pp: ParamPlan, modules: dict[str, ModulePlan]) -> None:
                 del modules[owner]
     scoped = modules.setdefault(pp.scope, ModulePlan(fqn=pp.scope))
     scoped.add(GradSum(params=(pp.fqn[len(prefix):],)))
-
-
-def _runs_forward(model: nn.Module, scope: str) -> str:
-    """``scope``, or its nearest ancestor with a forward of its own: a container
-    (``ModuleList``) is only indexed, so a swap around its forward would never run."""
-    while scope and isinstance(model.get_submodule(scope), (nn.ModuleList, nn.ModuleDict)):
-        scope = scope.rpartition(".")[0]
-    return scope
 
 
 def _all_names(model: nn.Module) -> dict[str, list[str]]:

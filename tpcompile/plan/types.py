@@ -23,13 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from .modules import ModulePlan
 from .sequence_types import SequencePlan
 
 __all__ = [
     "PLAN_VERSION", "ExpertsPlan", "ModulePlan", "ParamPlan", "Plan", "Role", "index_to_runs",
-    "renamed_fqn", "runs_to_index", "select_rows",
+    "forward_holder", "renamed_fqn", "runs_to_index", "select_rows",
 ]
 
 PLAN_VERSION = 2  # 2: module plans are typed ops (1: booleans, still read)
@@ -246,6 +247,16 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def forward_holder(model: nn.Module, path: str) -> str:
+    """``path``, or its nearest ancestor with a forward of its own: a container
+    (``ModuleList``, ``ParameterDict``) is only indexed, so a swap around its forward
+    would never run."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    while path and isinstance(model.get_submodule(path), containers):
+        path = path.rpartition(".")[0]
+    return path
 
 
 def renamed_fqn(name: str, module_name: Callable[[str], str | None]) -> str | None:

@@ -96,7 +96,8 @@ def _patch_injection(utils: Any) -> None:
                 raise
             raise TPError(
                 f"PEFT computes with the sharded weights of the transformed model while it creates this "
-                f"adapter ({type(self).__name__}: {err}); DoRA's magnitude vector does. Add this adapter "
+                f"adapter ({type(self).__name__}: {err}), as DoRA's magnitude vector and trainable tokens' rows "
+                "of the embedding do. Add this adapter "
                 "before tpcompile.transform (get_peft_model(model, config) first, then transform the PeftModel; "
                 "strict=False keeps the modules it adapts replicated)") from err
         settle(model)

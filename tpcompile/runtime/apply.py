@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import apply_fixups, localize_embedding
 from ..plan.modules import ModulePlan, VocabEmbedding
-from ..plan.types import ParamPlan, Plan, Role
+from ..plan.types import ParamPlan, Plan, Role, forward_holder
 from . import comm
 from .grad_norm import register_copies
 from .rows import LocalRows, shared_rows, shares_rows
@@ -38,6 +38,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
     swaps: dict[str, list[str]] = defaultdict(list)
     scoped: dict[str, list[str]] = defaultdict(list)  # module -> descendants' param paths
     done: dict[int, nn.Parameter] = {}
+    installed: set[tuple[int, str]] = set()  # (holder module, path): swapped once
     for name, pp in plan.params.items():
         mname, pname = _owner(name)
         old = mods[mname]._parameters[pname]
@@ -55,17 +56,21 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
         # ``self.unembedding_projection.weight``, tied to an embedding's projection); every
         # other name is swapped by its owner
         under = set() if pp.scope is None else {n for n in names if not pp.scope or n.startswith(pp.scope + ".")}
-        installed: set[tuple[int, str]] = set()
         for alias in names:
             am, ap = _owner(alias)
-            if (id(mods[am]), ap) in installed:  # one module under two names: swapped once
-                continue
-            installed.add((id(mods[am]), ap))
             mods[am]._parameters[ap] = new
-            if alias in under:
-                scoped[pp.scope].append(alias[len(pp.scope) + 1:] if pp.scope else alias)
-            else:
+            # the module whose forward sees the local tensor: the scope, the owner, or the
+            # owner's nearest caller where the owner has no forward (VBLoRA's vector bank,
+            # one ParameterDict every adapted layer holds and indexes in its own forward)
+            holder = pp.scope if alias in under else forward_holder(model, am)
+            path = alias[len(holder) + 1:] if holder else alias
+            if (id(mods[holder]), path) in installed:  # one module under two names: swapped once
+                continue
+            installed.add((id(mods[holder]), path))
+            if holder == am:
                 swaps[am].append(ap)
+            else:
+                scoped[holder].append(path)
         del old
     by_alias = {alias: pp for pp in plan.params.values() for alias in [pp.fqn, *pp.tied_to]}
     hooked = [m for m, mp in plan.modules.items() if mp.hooked]
@@ -125,7 +130,9 @@ def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend
             p = sub._parameters[leaf]
             saved.append((sub, leaf, p))
             local = p.to_local() if isinstance(p, DTensor) else p
-            if pp.role is Role.GRAD_ALLREDUCE:  # the scope's GradSum (plan/build.py)
+            if pp.role is Role.GRAD_ALLREDUCE and isinstance(p, DTensor):
+                # the scope's GradSum (plan/build.py); once, where an enclosing module's
+                # swap has not made it local already
                 local = comm.all_reduce_grad(local, backend.group)
             sub._parameters[leaf] = shared_rows(local, pp, rows.get(path), backend.group)
 
