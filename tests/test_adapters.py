@@ -211,6 +211,32 @@ def _kinds(rank: int, world: int) -> dict:
     return out
 
 
+def _adalora_allocation(rank: int, world: int) -> dict:
+    """AdaLoRA's rank allocation (``update_and_allocate`` in the loop) on a transformed
+    model: through the budget's last masking step and past it, against one process."""
+    import peft
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    cfg = peft.AdaLoraConfig(init_r=4, target_r=2, target_modules=["q_proj", "v_proj", "down_proj"],
+                             total_step=10, tinit=1, tfinal=3, deltaT=1)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(_build(), cfg)
+    out: dict = {}
+    for key, model in (("ref", ref), ("tp", tpcompile.transform(copy.deepcopy(ref), tp=world))):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for step in range(9):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            model.base_model.update_and_allocate(step)
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[key] = losses
+        out[f"{key}_pattern"] = model.peft_config["default"].rank_pattern
+    return out
+
+
 class _Adapter(torch.nn.Module):
     """A LoRA-shaped wrapper added by hand: base(x) + B(A(x))."""
 
@@ -387,7 +413,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     cases.update({key: (_after, *spec) for key, spec in AFTER.items()})
     for order in ("before", "after"):
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
-    cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,),
+    cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,), adalora=(_adalora_allocation,),
                  resume=(_resume, str(tmp_path_factory.mktemp("resume"))))
     return run_cases(2, cases, timeout=900)
 
@@ -437,6 +463,16 @@ def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
         # DoRA's magnitude reads the sharded base weight: refused in both orders, naming why
         assert r["dora_after"][0] == "refused" and "DoRA" in r["dora_after"][1], r
         assert r["dora_before"][0] == "refused" and "lora_magnitude_vector" in r["dora_before"][1], r
+
+
+@pytest.mark.slow
+def test_adalora_rank_allocation_runs_on_the_whole_adapters(world2: CaseResults) -> None:
+    for r in world2["adalora"]:
+        pattern = r["ref_pattern"]
+        assert pattern and any(not all(v) for v in pattern.values()), r  # some ranks were masked
+        assert r["tp_pattern"] == pattern, r
+        for got, want in zip(r["tp"], r["ref"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), r
 
 
 @pytest.mark.slow

@@ -28,11 +28,12 @@ initialisation, as on a single process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -77,6 +78,7 @@ def size_adapters_globally() -> None:
     when_imported("peft.tuners.tuners_utils", _patch_sizing)
     when_imported("peft.tuners.tuners_utils", _patch_injection)
     when_imported("peft.peft_model", _patch_prompt_encoder)
+    when_imported("peft.tuners.adalora.model", _patch_rank_allocation)
 
 
 def _patch_injection(utils: Any) -> None:
@@ -164,6 +166,62 @@ def _patch_prompt_encoder(peft_model: Any) -> None:
 
     _setup_prompt_encoder._tpcompile_original = setup
     cls._setup_prompt_encoder = _setup_prompt_encoder
+
+
+@contextlib.contextmanager
+def whole_trainables(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every trainable DTensor parameter of ``model`` is its whole tensor
+    (and gradient); what the block changes in place is written back to this rank's part
+    after it.  For a tool's code that computes on parameters outside any forward: AdaLoRA's
+    rank allocation scores each adapter's triplets and masks ``lora_E`` with Python lists.
+    A collective: every rank of the model's TP group enters it."""
+    swapped: list[tuple[nn.Module, str, DTensor, nn.Parameter, int]] = []
+    whole_of: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if not isinstance(p, DTensor) or not p.requires_grad:
+                continue
+            whole = whole_of.get(id(p))
+            if whole is None:  # a parameter several modules hold is gathered once
+                whole = whole_of[id(p)] = nn.Parameter(p.full_tensor().detach().clone())
+                if p.grad is not None:
+                    whole.grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            swapped.append((mod, name, p, whole, whole._version))
+            mod._parameters[name] = whole
+    try:
+        yield
+    finally:
+        for mod, name, p, whole, version in swapped:
+            mod._parameters[name] = p
+            if whole._version != version:
+                with torch.no_grad():
+                    p.to_local().copy_(_local_part(whole.detach(), p))
+
+
+def _local_part(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's part of ``whole`` as ``like`` holds it (rank order, equal parts)."""
+    placement = like.placements[0]
+    if not placement.is_shard():
+        return whole
+    return whole.chunk(like.device_mesh.size(), dim=placement.dim)[like.device_mesh.get_local_rank()]
+
+
+def _patch_rank_allocation(adalora: Any) -> None:
+    """AdaLoRA's ``update_and_allocate`` (called in the training loop) runs on the whole
+    adapters of a transformed model: its scores and masks equal one process's."""
+    cls = getattr(adalora, "AdaLoraModel", None)
+    update = getattr(cls, "update_and_allocate", None)
+    if update is None or hasattr(update, "_tpcompile_original"):
+        return
+
+    def update_and_allocate(self: Any, global_step: int) -> Any:
+        if not any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return update(self, global_step)
+        with whole_trainables(self.model):
+            return update(self, global_step)
+
+    update_and_allocate._tpcompile_original = update
+    cls.update_and_allocate = update_and_allocate
 
 
 def is_peft_model(model: nn.Module) -> bool:
