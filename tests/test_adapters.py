@@ -237,6 +237,34 @@ def _adalora_allocation(rank: int, world: int) -> dict:
     return out
 
 
+def _shared_bank_fsdp(rank: int, world: int) -> dict:
+    """VBLoRA's vector bank, one parameter every adapted layer holds (and its tuner), under
+    FSDP2 (``parallelize(dp_shard=2)``): the root's unit holds it, not the first block's
+    (the second block's unit refused the shard).  3 AdamW steps against one process."""
+    import peft
+    import torch.distributed as dist
+
+    ids = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(1))
+    cfg = peft.VBLoRAConfig(r=4, target_modules=["q_proj", "v_proj"], vector_length=4, num_vectors=16)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(_build(), cfg)
+    model = tpcompile.parallelize(copy.deepcopy(ref), dp_shard=world)
+    out: dict = {"ref": [], "dp": []}
+    for key, m, batch in (("ref", ref, ids), ("dp", model, ids.chunk(world)[rank])):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):
+            loss = m(input_ids=batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            if key == "dp":  # equal tokens per rank: the mean of the ranks' losses
+                dist.all_reduce(mean)
+                mean /= world
+            out[key].append(mean.item())
+    return out
+
+
 class _Adapter(torch.nn.Module):
     """A LoRA-shaped wrapper added by hand: base(x) + B(A(x))."""
 
@@ -414,6 +442,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     for order in ("before", "after"):
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
     cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,), adalora=(_adalora_allocation,),
+                 shared_bank=(_shared_bank_fsdp,),
                  resume=(_resume, str(tmp_path_factory.mktemp("resume"))))
     return run_cases(2, cases, timeout=900)
 
@@ -472,6 +501,13 @@ def test_adalora_rank_allocation_runs_on_the_whole_adapters(world2: CaseResults)
         assert pattern and any(not all(v) for v in pattern.values()), r  # some ranks were masked
         assert r["tp_pattern"] == pattern, r
         for got, want in zip(r["tp"], r["ref"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), r
+
+
+@pytest.mark.slow
+def test_a_parameter_several_blocks_hold_trains_under_fsdp2(world2: CaseResults) -> None:
+    for r in world2["shared_bank"]:
+        for got, want in zip(r["dp"], r["ref"], strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), r
 
 

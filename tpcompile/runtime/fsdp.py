@@ -80,11 +80,39 @@ def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, 
                 # exactly). Not with one efsdp rank: FSDP2 then divides by the factor
                 # while copying and would divide again after
                 module.set_force_sum_reduction_for_comms(True)
+    shared = _held_by_several(model, blocks)
     for fqn in blocks:
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        block = model.get_submodule(fqn)
+        ignored = {p for p in block.parameters() if id(p) in shared}
+        fully_shard(block, **kwargs, **({"ignored_params": ignored} if ignored else {}))
     for root in roots if roots is not None else [model]:
         fully_shard(root, **kwargs)
         _generate_through_root(root)
+    unsharded = [name for name, p in model.named_parameters() if id(p) in shared and not _dp_sharded(p)]
+    if unsharded:
+        from ..errors import TPError
+
+        raise TPError(f"{', '.join(unsharded[:3])} is held by several blocks and by no module outside them: "
+                      "FSDP2 shards a parameter in one unit, so none can own it. Pass dp_shard=1 "
+                      "(tensor parallelism alone), or register it on a module outside the blocks too")
+
+
+def _held_by_several(model: nn.Module, blocks: list[str]) -> set[int]:
+    """The parameters held in more than one block, or in a block and outside every block
+    (VBLoRA's vector bank: one ParameterDict every adapted layer holds, and its tuner
+    too).  A block's unit would shard it, and the next unit holding it refuse the shard:
+    the root's unit holds them instead (gathered for the whole forward)."""
+    places: dict[int, set[str | None]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        block = next((b for b in blocks if name.startswith(b + ".")), None)
+        places.setdefault(id(p), set()).add(block)
+    return {pid for pid, where in places.items() if len(where) > 1}
+
+
+def _dp_sharded(p: nn.Parameter) -> bool:
+    """Does an FSDP2 unit manage ``p`` (a DTensor over a data-parallel mesh dim)?"""
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+    return any(n.startswith("dp") or n == "efsdp" for n in names)
 
 
 def _generate_through_root(root: nn.Module) -> None:
