@@ -161,8 +161,10 @@ KINDS = {  # other adapter kinds: planned exactly, or refused with a TPError
     "prompt": ("PromptTuningConfig", {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}),
     # keys and values for every head, passed in as a cache
     "prefix": ("PrefixTuningConfig", {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}),
+    # a constant built from a tensor in its forward, which export cannot trace
+    "hra": ("HRAConfig", {"r": 4, "target_modules": ["q_proj"]}),
 }
-UNPLANNED = ("prefix",)  # refused before anything is traced: nothing to plan ahead
+UNPLANNED = ("prefix", "hra")  # refused before or while tracing: nothing to plan ahead
 
 
 def _grads(model: torch.nn.Module, world: int) -> dict[str, torch.Tensor]:
@@ -487,6 +489,8 @@ def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
         # orders before any forward, naming it and what splits instead
         for order in ("after", "before"):
             assert r[f"prefix_{order}"][0] == "refused" and "prefix tuning" in r[f"prefix_{order}"][1], r
+            # a forward export cannot trace is a TPError at transform time too
+            assert r[f"hra_{order}"][0] == "refused" and "could not capture" in r[f"hra_{order}"][1], r
         # a copy of the LM head beside it cannot keep the head's vocabulary split: said, not guessed
         assert r["modules_to_save_after"][0] == "refused" and "lm_head" in r["modules_to_save_after"][1], r
         # DoRA's magnitude reads the sharded base weight: refused in both orders, naming why

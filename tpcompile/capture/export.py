@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CaptureError
 from .canonical import canonical_aliases, canonical_module_paths
 from .inputs import _EXAMPLE_BATCH, _EXAMPLE_SEQ, _example_inputs, text_only  # noqa: F401 - re-exported
 
@@ -409,7 +410,7 @@ def capture(
         if default and text_only(model, err):
             model.train(was_training)
             return capture(model, cut_stacks=cut_stacks)
-        raise RuntimeError(
+        raise CaptureError(
             f"tpcompile could not capture {type(model).__name__} with torch.export "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
             "Pass one batch the model accepts: transform(..., example_inputs=dict(...))."
