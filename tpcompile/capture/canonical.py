@@ -14,6 +14,7 @@ from torch import nn
 __all__ = ["canonical_aliases", "canonical_module_paths"]
 
 
+# ATen's alias ops that torch.export may keep (Gemma 3n's ``torch.multiply``): the same
 # op under another name, rewritten to the name the rules and the runtime know
 _ALIASES = {"multiply": "mul", "divide": "div", "subtract": "sub", "greater": "gt", "greater_equal": "ge",
             "less": "lt", "less_equal": "le", "not_equal": "ne", "negative": "neg", "absolute": "abs",

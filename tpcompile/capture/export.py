@@ -275,7 +275,6 @@ def quiet_traces() -> Iterator[None]:
         log.setLevel(level)
 
 
-# ATen's alias ops that torch.export may keep (Gemma 3n's ``torch.multiply``): the same
 # the size a dim only real data sizes gets in the captured graph (the tokens one of
 # JetMoE's experts receives, ``split`` by counts read with ``tolist()``): a count of
 # positions, never of features, which the analysis only needs to be some fixed int
