@@ -579,12 +579,12 @@ def _assign(a: Analyzed, outputs: np.ndarray) -> None:
                 a.embedding[e.fqn].append(e.module)
             # what the module computes from each rank's masked rows holds partial gradients
             a.grad_allreduce |= tail_params(an, e)
-    # a column whose own module enters the region: what that module applies to the
-    # contraction's input before it is summed nowhere else
+    # a column whose own module enters the region (not a loop parent's): the whole
+    # parameters that module applies to the contraction's input get partial gradients
+    parents = set(a.loop_parents.values())
     a.grad_allreduce |= applied_inside_entry(an, {
         c.node: c.module for c in an.columns if c.fqn in a.column and c.fqn not in a.reentry.columns
-        and c.module not in a.loop_parents.values() and not any(c.module.startswith(p + ".")
-                                                                 for p in a.loop_parents.values())})
+        and not any(c.module == p or _inside(c.module, p) for p in parents)})
     for fqn in list(a.grad_allreduce):
         if fqn in a.layouts:
             a.grad_allreduce.discard(fqn)
