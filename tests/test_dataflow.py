@@ -417,7 +417,7 @@ def world2() -> CaseResults:
                          "sometimes": (_blorp, Sometimes), "tied_read": (_blorp, TiedRead),
                          "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
                          "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders),
-                         "shifted": (_blorp, Shifted)})
+                         "shifted": (_blorp, Shifted), "gated": (_blorp, GatedStack)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
@@ -790,3 +790,61 @@ def test_captured_modules_go_by_their_own_names() -> None:
     cap = capture(_SharedAndSliced(), example_args=(torch.randn(2, 8),), cut_stacks=False)
     # not ``layers.slice(1, None, None).0`` or ``alias``: the names parameters' owners have
     assert {innermost_module(n) for n in cap.graph.nodes} - {""} == {"layers.1", "layers.2", "shared"}
+
+
+class _Gated(nn.Module):
+    """A projection whose own forward applies its whole vectors to its input before a
+    split contraction, beside a sub-module it calls (AdaLoRA's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.a = nn.Parameter(torch.randn(4, HIDDEN) * 0.1)
+        self.e = nn.Parameter(torch.randn(4, 1))
+        self.b = nn.Parameter(torch.randn(4 * HIDDEN, 4) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ (self.a * self.e).T @ self.b.T
+
+
+class _Folded(nn.Module):
+    """A row projection plus the wrapper's own row product of its input, folded into
+    groups and summed (MiSS's shape): two partial sums, one module inside the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4 * HIDDEN, HIDDEN)
+        self.block = nn.Parameter(torch.randn(4, HIDDEN) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x.reshape(*x.shape[:-1], -1, 4).sum(-2) @ self.block
+
+
+class _GatedFolded(nn.Module):
+    def __init__(self, folded: bool) -> None:
+        super().__init__()
+        self.up, self.down = _Gated(), _Folded() if folded else nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class GatedStack(BlockStack):
+    def __init__(self) -> None:
+        super().__init__([_GatedFolded(folded=i == 1) for i in range(2)])
+
+
+def test_whole_vectors_before_a_split_contraction_sum_their_gradients_and_nested_rows_stay_whole(
+        world2: CaseResults) -> None:
+    with torch.device("meta"):
+        model = GatedStack()
+    plan = tpcompile.plan_model(model, tp=2)
+    p = plan.params
+    assert p["s.0.up.b"].shard_dim == 0 and p["s.0.up.base.weight"].shard_dim == 0  # split like the output
+    # a and e meet no split feature themselves: their gradients are each rank's part
+    assert p["s.0.up.a"].role is Role.GRAD_ALLREDUCE and p["s.0.up.e"].role is Role.GRAD_ALLREDUCE
+    # base all-reduces where it returns and the wrapper again: the region stays whole
+    assert p["s.1.down.base.weight"].shard_dim is None and p["s.1.down.block"].shard_dim is None
+    assert "joins one its caller computes" in p["s.1.down.base.weight"].whole_because
+    for out_err, grad_err in world2["gated"]:  # both were off before: gradients, and the forward
+        assert out_err < 1e-5 and grad_err < 1e-5
