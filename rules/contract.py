@@ -374,11 +374,20 @@ def index(an: Analysis, node: torch.fx.Node) -> object:
     if not isinstance(v, Feat):
         return None
     a = an.aligned_to(v.atoms, an.ndim(src))
-    if used != list(range(len(used))) or any(a.shape[i] > 1 for i in used):
+    # a boolean mask selects over as many dims as it has (VITS' ``x[mask]`` over batch and
+    # time), an integer index over one
+    spans = [an.ndim(indices[i]) if _is_mask(an, indices[i]) else 1 for i in used]
+    covered = sum(spans)
+    if used != list(range(len(used))) or any(a.shape[d] > 1 for d in range(covered)):
         an.poison_node(node, "indexing across sharded features", v)
         return None
-    rest = a[(0,) * len(used)] if used else a
+    rest = a[(0,) * covered] if used else a
     return an.feat(an.aligned_to(np.asarray(rest), an.ndim(node)))
+
+
+def _is_mask(an: Analysis, index: torch.fx.Node) -> bool:
+    meta = an.meta(index)
+    return isinstance(meta, torch.Tensor) and meta.dtype == torch.bool
 
 
 @rule(aten.gather)

@@ -56,6 +56,20 @@ def identity(an: Analysis, node: torch.fx.Node) -> object:
     return an.val(node.args[0])
 
 
+@rule(aten.sym_size, aten.sym_numel)
+def size_read(an: Analysis, node: torch.fx.Node) -> object:
+    """A size read as a value (the count of positions a boolean mask selected, which only
+    the data sizes): the same on every rank where the dim carries no features; a size
+    over split features would differ, and refuses the region."""
+    v = an.val(node.args[0])
+    if isinstance(v, Feat):
+        atoms = an.aligned_to(v.atoms, an.ndim(node.args[0]))
+        dims = [node.args[1] % atoms.ndim] if len(node.args) > 1 else range(atoms.ndim)
+        if any(atoms.shape[d] > 1 for d in dims):
+            an.poison_node(node, "a size of sharded features read as a value", v)
+    return None
+
+
 @rule(aten.native_dropout)
 def native_dropout(an: Analysis, node: torch.fx.Node) -> object:
     return [an.val(node.args[0]), None]
@@ -446,5 +460,5 @@ def cat(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(np.concatenate(full, axis=dim))
 
 
-SHAPE_RULES = [identity, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze,
+SHAPE_RULES = [identity, size_read, native_dropout, view, expand, repeat_interleave, repeat, pad, permute, unsqueeze, squeeze,
                slice_, select, unfold, flip, roll, split, getitem, cat, view_as_complex, view_as_real]

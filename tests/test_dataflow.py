@@ -417,7 +417,8 @@ def world2() -> CaseResults:
                          "sometimes": (_blorp, Sometimes), "tied_read": (_blorp, TiedRead),
                          "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
                          "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders),
-                         "shifted": (_blorp, Shifted), "gated": (_blorp, GatedStack)})
+                         "shifted": (_blorp, Shifted), "gated": (_blorp, GatedStack),
+                         "selected": (_blorp, SelectedStack)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
@@ -847,4 +848,34 @@ def test_whole_vectors_before_a_split_contraction_sum_their_gradients_and_nested
     assert p["s.1.down.base.weight"].shard_dim is None and p["s.1.down.block"].shard_dim is None
     assert "joins one its caller computes" in p["s.1.down.base.weight"].whole_because
     for out_err, grad_err in world2["gated"]:  # both were off before: gradients, and the forward
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+class _Selected(nn.Module):
+    """An MLP run on the positions a boolean mask over batch and time selects
+    (``h[mask]``: one index tensor spanning two dims), scattered back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x[..., 0] > 0
+        picked = self.down(torch.relu(self.up(x)[mask]))
+        return x + torch.zeros_like(x).masked_scatter(mask.unsqueeze(-1), picked)
+
+
+class SelectedStack(BlockStack):
+    def __init__(self) -> None:
+        super().__init__([_Selected() for _ in range(2)])
+
+
+def test_a_boolean_mask_over_several_dims_keeps_features_split(world2: CaseResults) -> None:
+    with torch.device("meta"):
+        model = SelectedStack()
+    plan = tpcompile.plan_model(model, tp=2)
+    # the mask spans batch and time, not the features (it was read as one dim: the rule
+    # then gave its output the wrong shape and the transform failed)
+    assert plan.params["s.0.up.weight"].role is Role.COLUMN and plan.params["s.0.down.weight"].role is Role.ROW
+    for out_err, grad_err in world2["selected"]:
         assert out_err < 1e-5 and grad_err < 1e-5
