@@ -418,7 +418,7 @@ def world2() -> CaseResults:
                          "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
                          "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders),
                          "shifted": (_blorp, Shifted), "gated": (_blorp, GatedStack),
-                         "selected": (_blorp, SelectedStack)})
+                         "selected": (_blorp, SelectedStack), "head_biased": (_blorp, HeadBiasedStack)})
 
 
 def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
@@ -878,4 +878,37 @@ def test_a_boolean_mask_over_several_dims_keeps_features_split(world2: CaseResul
     # then gave its output the wrong shape and the transform failed)
     assert plan.params["s.0.up.weight"].role is Role.COLUMN and plan.params["s.0.down.weight"].role is Role.ROW
     for out_err, grad_err in world2["selected"]:
+        assert out_err < 1e-5 and grad_err < 1e-5
+
+
+class _HeadBiased(nn.Module):
+    """Attention adding a per-head parameter viewed by a global count (Parakeet's
+    ``bias_u.view(1, config.num_attention_heads, 1, head_dim)``): a shape site on a
+    split parameter's view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.bias_u = nn.Parameter(torch.randn(HEADS, HD) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, -1, HD).permute(2, 0, 3, 1, 4)
+        q = q + self.bias_u.view(1, HEADS, 1, HD)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class HeadBiasedStack(BlockStack):
+    def __init__(self) -> None:
+        super().__init__([_HeadBiased() for _ in range(2)])
+
+
+def test_a_split_parameter_viewed_by_a_global_count_gets_a_shape_site(world2: CaseResults) -> None:
+    with torch.device("meta"):
+        model = HeadBiasedStack()
+    plan = tpcompile.plan_model(model, tp=2)
+    assert plan.params["s.0.bias_u"].shard_dim == 0  # by heads, with the attention
+    assert any(k.startswith("@") for k in plan.modules["s.0"].attr_fixups)  # refused before
+    for out_err, grad_err in world2["head_biased"]:
         assert out_err < 1e-5 and grad_err < 1e-5

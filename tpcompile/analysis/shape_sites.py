@@ -80,18 +80,26 @@ def sites_for(a: Any, lines: tuple[str, ...]) -> dict[str, dict[str, list[Any]]]
     of that line would need different sizes gets none."""
     from .fixups import Local
     from .propagate import innermost_module
-    from .state import Feat
+    from .state import Feat, ParamRef
 
     loc = Local(a)
     by_line: dict[str, dict[str, dict[int, dict[int, int] | None]]] = {}
     for node in a.an.graph.nodes:
         line = node_line(node)
+        v = a.an.value.get(node)
         if (line not in lines or node.op != "call_function"
                 or getattr(node.target, "overloadpacket", None) not in _RESHAPES
-                or not isinstance(a.an.value.get(node), Feat)):
+                or not isinstance(v, Feat | ParamRef)):
             continue
         ndim = a.an.ndim(node)
-        local = {d: loc.size(node, d) for d in range(ndim) if loc.carries(node, d)}
+        if isinstance(v, ParamRef):
+            # a split parameter viewed by a global count (Parakeet's per-head position
+            # biases, ``bias_u.view(1, config.num_attention_heads, 1, head_dim)``)
+            lay = a.layouts.get(v.fqn)
+            split = [d for d, pd in enumerate(v.dims) if lay is not None and pd == lay.dim]
+            local = {d: loc.size(node, d) for d in split} if len(v.dims) == ndim else {}
+        else:
+            local = {d: loc.size(node, d) for d in range(ndim) if loc.carries(node, d)}
         if not local:
             continue
         found = by_line.setdefault(line, {}).setdefault(innermost_module(node), {})
