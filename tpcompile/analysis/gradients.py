@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from .partition import Partition
-from .propagate import Analysis, innermost_module
+from .propagate import Analysis, innermost_module, params_feeding
 from .state import Feat, ParamRef
 
 if TYPE_CHECKING:
@@ -155,22 +155,25 @@ def applied_inside_entry(an: Analysis, entries: dict[fx.Node, str]) -> set[str]:
     The entry sums the gradient of the module's *inputs* only.  A parameter of the module
     applied on the way (AdaLoRA's ``lora_A`` and ``lora_E`` in the projection's own
     forward, before its split ``lora_B``) gets from each rank the part of its gradient
-    that rank's features give: it must be all-reduced (``GradSum``)."""
+    that rank's features give: it must be all-reduced (``GradSum``).  The split weight
+    itself is found too; the caller drops what the plan slices."""
     out: set[str] = set()
     for contraction, module in entries.items():
         prefix = module + "."
-        todo = [x for x in contraction.all_input_nodes if not isinstance(an.value.get(x), ParamRef)]
-        seen: set[fx.Node] = set()
-        while todo:
-            x = todo.pop()
-            where = innermost_module(x)
-            if x in seen or x.op != "call_function" or not (where == module or where.startswith(prefix)):
-                continue  # the module's inputs (and what precedes them) enter as they are
-            seen.add(x)
-            for y in x.all_input_nodes:
-                v = an.value.get(y)
-                if not isinstance(v, ParamRef):
-                    todo.append(y)
-                elif not v.is_buffer and v.fqn.startswith(prefix):
-                    out.add(v.fqn)
+        found = params_feeding([contraction], _Outside(module), an._params)
+        out |= {fqn for fqn in found if fqn.startswith(prefix)}
     return out
+
+
+class _Outside:
+    """The nodes computed outside ``module``: its inputs and what precedes them, which
+    enter the region as they are (a container for :func:`params_feeding`'s ``skip``)."""
+
+    def __init__(self, module: str) -> None:
+        self.module, self.prefix = module, module + "."
+
+    def __contains__(self, node: object) -> bool:
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        where = innermost_module(node)
+        return where != self.module and not where.startswith(self.prefix)

@@ -126,6 +126,12 @@ def _patch_sizing(utils: Any) -> None:
 _CACHE_PREFIXES = ("PREFIX_TUNING", "CARTRIDGE")
 
 
+def _cache_prefix(config: Any, adapter: str) -> str | None:
+    """``"prefix tuning (adapter 'default')"`` where ``config`` is one of those methods."""
+    method = str(getattr(getattr(config, "peft_type", None), "value", ""))
+    return f"{method.lower().replace('_', ' ')} (adapter {adapter!r})" if method in _CACHE_PREFIXES else None
+
+
 def _cache_prefix_error(method: str, fix: str) -> TPError:
     return TPError(
         f"PEFT's {method} feeds every attention layer learned keys and values for all its heads as a cache "
@@ -140,10 +146,8 @@ def refuse_cache_prefixes(model: nn.Module) -> None:
     if not is_peft_model(model):
         return
     for name, config in model.peft_config.items():
-        method = str(getattr(getattr(config, "peft_type", None), "value", ""))
-        if method in _CACHE_PREFIXES:
-            raise _cache_prefix_error(f"{method.lower().replace('_', ' ')} (adapter {name!r})",
-                                      "Train it on the plain model (data parallelism only, e.g. FSDP2's "
+        if (method := _cache_prefix(config, name)) is not None:
+            raise _cache_prefix_error(method, "Train it on the plain model (data parallelism only, e.g. FSDP2's "
                                       "fully_shard)")
 
 
@@ -156,12 +160,10 @@ def _patch_prompt_encoder(peft_model: Any) -> None:
         return
 
     def _setup_prompt_encoder(self: Any, adapter_name: str) -> Any:
-        config = self.peft_config[adapter_name]
-        method = str(getattr(getattr(config, "peft_type", None), "value", ""))
+        method = _cache_prefix(self.peft_config[adapter_name], adapter_name)
         plan = getattr(self.base_model, "tpcompile_plan", None)
-        if method in _CACHE_PREFIXES and plan is not None and plan.tp > 1:
-            raise _cache_prefix_error(f"{method.lower().replace('_', ' ')} (adapter {adapter_name!r})",
-                                      f"This model's attention heads are split over tp={plan.tp} ranks")
+        if method is not None and plan is not None and plan.tp > 1:
+            raise _cache_prefix_error(method, f"This model's attention heads are split over tp={plan.tp} ranks")
         return setup(self, adapter_name)
 
     _setup_prompt_encoder._tpcompile_original = setup
