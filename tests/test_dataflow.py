@@ -334,11 +334,12 @@ class Deformable(nn.Module):
 class SizeReader(nn.Module):
     """Attention as older code writes it (TrOCR, BLIP, GroupViT): the width read off the
     input with ``.size()``, a fused q|k|v reshaped in a helper by ``width // heads``, and
-    the heads merged back by the width read, not by an attribute."""
+    the heads merged back by the width read, not by an attribute; an attribute the width
+    read is asserted equal to (FSMT) keeps its global value."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.heads = HEADS
+        self.heads, self.width = HEADS, HIDDEN
         self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
         self.out = nn.Linear(HIDDEN, HIDDEN)
 
@@ -347,6 +348,7 @@ class SizeReader(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, width = x.size()
+        assert width == self.width
         q, k, v = self._split(self.qkv(x), bsz, seq, width)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.out(y.transpose(1, 2).reshape(bsz, seq, width))
@@ -364,11 +366,12 @@ def test_sizes_read_at_run_time_are_made_local_at_their_lines() -> None:
     assert plan.params["s.1.qkv.weight"].role is Role.COLUMN and plan.params["s.1.out.weight"].role is Role.ROW
     fix = plan.modules["s.1"].attr_fixups
     code = SizeReader.forward.__code__
-    merge, split = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno + 4}", code.co_firstlineno + 2
+    merge, split = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno + 5}", code.co_firstlineno + 3
     # the merge's width (64 -> 32) and the split's heads and head dim (4 -> 2; 16 stays 16,
     # where the width read over the local head count would give 32): by the lines in forward
     assert fix[f"@{merge}"] == [3, [[2, HIDDEN // 2]]]
     assert fix[f"@{merge.rsplit(':', 1)[0]}:{split}"] == [5, [[2, 3], [3, HEADS // 2], [4, HD]]]
+    assert "width" not in fix  # asserted equal to the input's width: it was made 32 and the assert failed
 
 
 def test_deformable_sampling_splits_heads() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import re
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ from .roles import Analyzed
 from .shape_sites import model_code, node_line
 from .state import Feat
 
-__all__ = ["Mismatch", "SelfCheckError", "check_local", "raise_mismatches", "resolve_fixups", "resolve_sites"]
+__all__ = ["Mismatch", "SelfCheckError", "check_local", "raise_mismatches", "resolve_compared", "resolve_fixups", "resolve_sites"]
 
 Fixups = dict[str, dict[str, list[int]]]
 _MAX_TRIALS = 32
@@ -306,6 +307,31 @@ def resolve_sites(fixups: Fixups, problems: list[Mismatch], check: Callable[[Fix
         got = check(nxt)
         if got and (got[0].module, got[0].lines) == key:
             break  # the sites did not help: report the problem as it was
+        trial, problems = nxt, got
+    return trial, problems
+
+
+def resolve_compared(fixups: Fixups, problems: list[Mismatch],
+                     check: Callable[[Fixups], list[Mismatch]]) -> tuple[Fixups, list[Mismatch]]:
+    """Give back their global value to the attributes an ``assert`` compares with a size
+    read off the module's input (FSMT's ``assert embed_dim == self.embed_dim``, where
+    ``embed_dim = query.size(2)`` of a replicated input): such an attribute was kept
+    because the local value breaks the global model's trace, but the localized model
+    needs it global too; the reshape by the read size is then a shape site.  Kept only if
+    the trace then gets past the assert."""
+    trial = {m: dict(c) for m, c in fixups.items()}
+    while problems:
+        first = problems[0]
+        code = first.detail.partition("`")[2]
+        if first.actual is not None or not first.detail.startswith("AssertionError") or not code:
+            break
+        named = {attr for attr in trial.get(first.module, {}) if re.search(rf"\bself\.{re.escape(attr)}\b", code)}
+        if not named:
+            break
+        nxt = {m: {k: v for k, v in c.items() if not (m == first.module and k in named)} for m, c in trial.items()}
+        got = check(nxt)
+        if got and (got[0].module, got[0].lines) == (first.module, first.lines):
+            break
         trial, problems = nxt, got
     return trial, problems
 

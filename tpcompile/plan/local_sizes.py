@@ -22,6 +22,7 @@ from ..analysis.selfcheck import (
     Mismatch,
     check_local,
     raise_mismatches,
+    resolve_compared,
     resolve_fixups,
     resolve_sites,
 )
@@ -94,8 +95,10 @@ def local_fixups(model: nn.Module, cap: Capture, a: Analyzed, tp: int,
     problems = check(fixups)
     while problems:
         first = (problems[0].module, problems[0].lines)
-        # sizes read off a tensor at run time, made local at their reshapes' lines (one
-        # trace a line), then attributes two sizes share (up to a trace per assignment)
+        # attributes an assert compares with the input's size stay global, sizes read
+        # off a tensor at run time are made local at their reshapes' lines (one trace a
+        # line), then attributes two sizes share (up to a trace per assignment)
+        fixups, problems = resolve_compared(fixups, problems, check)
         fixups, problems = resolve_sites(fixups, problems, check, lambda lines: sites_for(a, lines))
         fixups, problems = resolve_fixups(fixups, ambiguous, check, problems, tp, shaping=shaping)
         if problems and (problems[0].module, problems[0].lines) == first:
