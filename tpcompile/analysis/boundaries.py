@@ -189,7 +189,7 @@ def probe_boundaries(model: nn.Module, inputs: dict[str, Any], blocks: list[str]
             with mode, as_if_exporting(), reads:
                 twin(**fake_inputs)
         except Exception as err:
-            from ..capture.export import data_dependent, every_position_nonzero
+            from ..capture.branches import data_dependent, every_position_nonzero
 
             if not data_dependent(err):
                 raise

@@ -48,6 +48,8 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..capture.branches import model_code
+
 __all__ = ["SITE_PREFIX", "install_sites", "is_site", "model_code", "node_line", "sites_for", "strip_sites"]
 
 aten = torch.ops.aten
@@ -144,14 +146,7 @@ def _forward_with_sites(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return type(self).forward(self, *args, **kwargs)
 
 
-_SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 _DEPTH = 3  # model frames looked at: a reshape in a helper of a helper of ``forward``
-
-
-def model_code(filename: str) -> bool:
-    """Is ``filename`` the model's code (neither torch's nor tpcompile's)?  The self-check
-    names failing lines by it and the runtime looks sites up by it: one test for both."""
-    return not filename.startswith(_SKIP)
 
 
 def _site(table: dict[str, dict[int, dict[int, int]]]) -> dict[int, dict[int, int]] | None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import logging
 import sys
 import time
@@ -39,11 +38,12 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
+from .branches import asked_branches, branch_answer, data_dependent, every_position_nonzero
 from .canonical import canonical_aliases, canonical_module_paths
 from .inputs import _EXAMPLE_BATCH, _EXAMPLE_SEQ, _example_inputs, text_only  # noqa: F401 - re-exported
 
 __all__ = ["Capture", "LayerStacks", "capture", "cut_to_traced", "data_dependent", "every_position_nonzero", "layer_stacks",
-           "quiet_traces", "structural_signature"]
+           "quiet_traces", "structural_signature"]  # data_dependent, every_position_nonzero: from .branches
 
 
 def structural_signature(module: nn.Module) -> tuple:
@@ -132,6 +132,9 @@ class Capture:
     # the keyword inputs traced (built from the model when none were given): every later
     # trace that must match this one (the self-check's localized copy) takes the same
     example_kwargs: dict[str, Any] = field(default_factory=dict)
+    # "file.py:line" of each boolean the forward read off data (``if mask.any()``), which
+    # the trace answered by the branch side in force (:mod:`.branches`)
+    branches: tuple[str, ...] = ()
 
 
 def _find_stacks(model: nn.Module) -> dict[str, tuple[nn.ModuleList, list[int]]]:
@@ -217,10 +220,11 @@ def layer_stacks(model: nn.Module) -> LayerStacks:
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict,
-            preserve: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
-    ep = _export_retrying(model, args, kwargs, preserve)
+            preserve: tuple[str, ...] = ()) -> tuple[torch.export.ExportedProgram, tuple[str, ...]]:
+    with asked_branches() as asked:
+        ep = _export_retrying(model, args, kwargs, preserve)
     canonical_module_paths(ep.graph, model)  # while a cut stack is still cut
-    return ep
+    return ep, tuple(dict.fromkeys(asked))
 
 
 def _export_retrying(model: nn.Module, args: tuple, kwargs: dict,
@@ -245,7 +249,7 @@ def _export_retrying(model: nn.Module, args: tuple, kwargs: dict,
             return _export_once(model, args, kwargs, preserve)
     except Exception:  # noqa: BLE001 - the tensor form below raises what is left
         pass
-    with every_position_nonzero():
+    with quiet_traces(), every_position_nonzero():
         return _export_once(model, args, kwargs, preserve)
 
 
@@ -265,14 +269,18 @@ def _export_once(model: nn.Module, args: tuple, kwargs: dict,
 
 @contextlib.contextmanager
 def quiet_traces() -> Iterator[None]:
-    """Silence torch's fake-tensor error log: a trace that fails is an answer here."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    """Silence torch's fake-tensor error log (a trace that fails is an answer here) and
+    its shape log's word on the unused symbol a boolean question left (:mod:`.branches`)."""
+    logs = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor",
+                                                 "torch.fx.experimental.symbolic_shapes")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
 
 
 # the size a dim only real data sizes gets in the captured graph (the tokens one of
@@ -300,56 +308,6 @@ def size_data_dependent(graph: torch.fx.Graph) -> None:
                 env.real_tensor_prop_unbacked_vals = {}
             for x in unbacked:
                 env.real_tensor_prop_unbacked_vals.setdefault(x, sympy.Integer(DATA_DEPENDENT_SIZE))
-
-
-def data_dependent(err: BaseException | None) -> bool:
-    """Did ``err`` (or what caused it) come from a value only real data has: a guard on an
-    unbacked symbol (``nonzero``'s length, ``item``), or a fake-tensor op refusing to
-    invent one?"""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
-    while err is not None:
-        if isinstance(err, kinds):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _all_positions(t: torch.Tensor) -> torch.Tensor:
-    """What ``nonzero`` returns for an all-true ``t``: every index, ``[numel, ndim]``."""
-    if t.dim() == 0:
-        return torch.zeros(1, 0, dtype=torch.long, device=t.device)
-    grids = torch.meshgrid(*[torch.arange(n, device=t.device) for n in t.shape], indexing="ij")
-    return torch.stack(grids, dim=-1).reshape(-1, t.dim())
-
-
-@contextlib.contextmanager
-def every_position_nonzero(ints: bool = False) -> Iterator[None]:
-    """``nonzero`` (and one-argument ``where``) as if every entry were true; with ``ints``
-    the two-dimensional form is a list of index lists (Python ints), so that code iterating
-    over it picks plain values instead of tensors that only real data could compare."""
-    originals = (torch.nonzero, torch.Tensor.nonzero, torch.where)
-    plain_where = torch.where
-
-    def nonzero(t: torch.Tensor, *, as_tuple: bool = False, **_: Any) -> Any:
-        if ints and not as_tuple:
-            return [list(i) for i in itertools.product(*(range(int(n)) for n in t.shape))]
-        idx = _all_positions(t)
-        return tuple(idx.unbind(-1)) if as_tuple else idx
-
-    def where(cond: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
-        return plain_where(cond, *rest, **kwargs) if rest or kwargs else nonzero(cond, as_tuple=True)
-
-    torch.nonzero, torch.Tensor.nonzero, torch.where = nonzero, nonzero, where
-    try:
-        yield
-    finally:
-        torch.nonzero, torch.Tensor.nonzero, torch.where = originals
 
 
 def capture(
@@ -395,7 +353,7 @@ def capture(
     try:
         try:
             with _truncated(model, stacks), torch.no_grad():
-                ep = _export(model, example_args, example_kwargs or {}, preserve)
+                ep, branches = _export(model, example_args, example_kwargs or {}, preserve)
         except Exception:
             if not stacks:
                 raise
@@ -404,7 +362,7 @@ def capture(
             # norms indexed by block) cannot run cut: trace every block instead
             stacks = {}
             with torch.no_grad():
-                ep = _export(model, example_args, example_kwargs or {}, preserve)
+                ep, branches = _export(model, example_args, example_kwargs or {}, preserve)
     except Exception as err:
         if default and text_only(model, err):
             model.train(was_training)
@@ -429,6 +387,7 @@ def capture(
         seconds=time.perf_counter() - start,
         signatures={e.fqn: e.signature for e in ep.module_call_graph if e.fqn in preserve},
         example_kwargs=dict(example_kwargs or {}),
+        branches=branches,
     )
     if memo_key is not None:
         _MEMO[model] = (memo_key, cap)
@@ -457,7 +416,7 @@ def _memo_key(model: nn.Module, cut_stacks: bool) -> tuple | None:
         to_json = getattr(config, "to_json_string", None)
         settings = (to_json(use_diff=False) if callable(to_json) else repr(config),
                     getattr(config, "_attn_implementation", None))
-    return (cut_stacks, structural_signature(model), tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
+    return (cut_stacks, branch_answer(), structural_signature(model), tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
             tuple(_module_state(m) for m in model.modules()), settings)
 
 

@@ -136,7 +136,8 @@ def _fake_forward(model: nn.Module, example_kwargs: dict[str, Any] | None,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from .export import _find_stacks, _truncated, data_dependent, every_position_nonzero
+    from .branches import data_dependent, every_position_nonzero
+    from .export import _find_stacks, _truncated
     from .inputs import _example_inputs
 
     kwargs = example_kwargs or _example_inputs(model)[1]

@@ -49,6 +49,7 @@ from .modules import (
     SplitStats,
     VocabEmbedding,
 )
+from .sides import plan_both_sides
 from .types import ParamPlan, Plan, Role, forward_holder, index_to_runs, runs_to_index
 
 __all__ = ["build_plan", "plan_model"]
@@ -106,17 +107,20 @@ def _plan_or_text(model: nn.Module, **arguments: Any) -> Plan:
     """The plan on the default inputs; where those splice images into the text and the
     vision side cannot be split (an op no rule knows, a self-check failure), the plan of
     the text alone, the vision side whole as it was never run (with a warning)."""
+    def plan() -> Plan:  # on both sides of any branch on data (:mod:`.sides`)
+        return plan_both_sides(lambda: _plan(model, **arguments), type(model).__name__)
+
     try:
-        return _plan(model, **arguments)
+        return plan()
     except TPError as err:
         if arguments["example_inputs"] is not None or not text_only(model, err):
             raise
-        return _plan(model, **arguments)
+        return plan()
 
 
 def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rule | TokenRule] | None,
           overrides: dict[str, str] | None, strict: bool, example_inputs: dict[str, Any] | None, ep: int,
-          sequence_parallel: bool) -> Plan:
+          sequence_parallel: bool) -> tuple[Plan, tuple[str, ...]]:
     t0 = time.perf_counter()
     cap = capture(model, example_kwargs=example_inputs)
     t1 = time.perf_counter()
@@ -175,7 +179,7 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
         "analysis_passes": a.passes,
         "traced_blocks": cap.stacks.traced_len,
     }
-    return plan
+    return plan, cap.branches
 
 
 def _crosses_cut_blocks(a: Analyzed, cap: Capture) -> bool:
