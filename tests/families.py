@@ -74,10 +74,13 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, **kw)
-    if name == "bart":  # final_logits_bias [1, vocab]: a buffer added to the LM head's logits
+    # final_logits_bias [1, vocab]: a buffer added to the LM head's logits; an odd vocabulary
+    # as BART's 50265 words, padded to divide (the shared table, tied to the head and both
+    # embeddings, stayed whole for it)
+    if name == "bart":
         return hf.BartForConditionalGeneration, hf.BartConfig(
             d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=257,
             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             decoder_start_token_id=2, forced_eos_token_id=None, **kw)
     if name == "clip":  # two towers: input_ids and pixel_values both required

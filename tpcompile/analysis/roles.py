@@ -32,7 +32,7 @@ from .heads import gathered_heads, heads_off_the_last_dim, readers_of_gathered_h
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
-from .reentry import Reentry, find_reentry
+from .reentry import Reentry, find_exit, find_reentry
 from .state import Feat, ParamRef
 from .stats import STAT_OPS, SplitStat, find_split_stats
 
@@ -121,8 +121,9 @@ def _opened_by(stat_blocks: dict[fx.Node, set], blocks: set) -> set[fx.Node]:
     return {n for n, keys in stat_blocks.items() if keys & blocks}
 
 
-def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
-    """Resolve elementwise meetings of unsharded values with sharded features."""
+def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None, gathered: bool = True) -> set:
+    """Resolve elementwise meetings of unsharded values with sharded features;
+    ``gathered``: the LM heads' logits are gathered where the head returns."""
     force: set = set()
     an, part = a.an, a.part
     for ev in an.aligned:
@@ -137,11 +138,14 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
         shared = [d for d in split_dims if shape[d] == 1] or ([-1] if multi else [])
         if isinstance(ev.operand, ParamRef):
             ref = ev.operand
-            if ref.is_buffer and sliced and not _slice_buffer(a, ev, ref, ranks, sliced):
+            if ref.is_buffer and sliced and (not _slice_buffer(a, ev, ref, ranks, sliced) or gathered):
                 # a buffer (no gradient) narrowed to the rank's rows for its owner's forward
                 # (Falcon-H1's ``mup_vector`` scaling in_proj's split output).  Any other
-                # is left to the self-check: a root buffer added to the logits the default
-                # mode gathers (BART's ``final_logits_bias``) needs no slice at all
+                # is left to the self-check where the heads' logits are gathered: a root
+                # buffer added to them (BART's ``final_logits_bias``) needs no slice at all.
+                # (Taken as a parameter's slice there, a vocabulary padded to divide, BART's
+                # 50265 words at tp=4, has none: its shared table stayed whole.)  On
+                # vocab-split logits it must take the parameters' slice
                 continue
             offset = nd - len(ref.dims)
             for d in sliced:
@@ -167,7 +171,7 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None) -> set:
         if len(sliced) == 1 and not multi and _sliced_at_entry(a, ev, ranks, sliced[0], entry_paths):
             continue  # no gradient: each rank takes its rows where it enters the module
         if not sliced and shared and ev.tainted:
-            found = find_reentry(an, part, a.layouts, node)
+            found = find_reentry(an, part, a.layouts, node) or find_exit(an, part, a.layouts, node)
             if found is not None:  # summed where the row's sum leaves its module
                 a.reentry.update(found)
                 a.grad_allreduce |= found.params
@@ -385,12 +389,14 @@ def analyze(
     split_stats: bool = True,
     override_reasons: dict[str, str] | None = None,
     entry_paths: EntryPaths | None = None,
+    gathered: bool = True,
 ) -> Analyzed:
     """Propagate and partition until stable; see module docstring.  ``split_stats=False``
     ties every statistic's features, as any other reduction's (no :mod:`.stats`);
     ``override_reasons``: why an override key forces its parameters whole (default: the
     user's override); ``entry_paths`` finds the forward argument that carries a value into
-    a module (without it, no replicated value is sliced at a module's entry)."""
+    a module (without it, no replicated value is sliced at a module's entry); ``gathered``:
+    the LM heads' logits are gathered where the head returns (not loss-parallel)."""
     all_params = set(param_of_placeholder.values())
     if max_passes is None:
         # every pass but the last keeps at least one more (parameter, dim) block whole, so
@@ -417,7 +423,8 @@ def analyze(
         # from the overrides alone.  ``whole_stats`` only grows: at most one attempt per
         # statistic, and the last one is what tying those statistics from the start gives
         a, more, passes = _attempt(graph, rules, tp, param_of_placeholder, buffer_of_placeholder,
-                                   strict, set(overridden), whole_stats, max_passes, dict(why), entry_paths)
+                                   strict, set(overridden), whole_stats, max_passes, dict(why), entry_paths,
+                                   gathered)
         total += passes
         if a is not None:
             a.passes = total
@@ -433,7 +440,8 @@ def _because(why: dict, blocks: set, reason: str) -> None:
 def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dict[str, str],
              buffer_of_placeholder: dict[str, str], strict: bool, forced: set,
              whole_stats: set[fx.Node], max_passes: int, why: dict,
-             entry_paths: EntryPaths | None = None) -> tuple[Analyzed | None, set[fx.Node], int]:
+             entry_paths: EntryPaths | None = None, gathered: bool = True
+             ) -> tuple[Analyzed | None, set[fx.Node], int]:
     """Passes to a fixed point with ``whole_stats`` tied: the converged analysis, or
     ``None`` and the statistics found not to split (to tie in a fresh attempt); and the
     passes it took.  ``why`` collects the reason each forced block stays whole."""
@@ -520,7 +528,7 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
         a.retie |= _opened_by(stat_blocks, reduced)
         _because(why, reduced, "a partial sum is reduced inside the module that computed it, or joins one its caller computes")
         seen = len(notes)
-        aligned = _aligned_checks(a, entry_paths) - forced
+        aligned = _aligned_checks(a, entry_paths, gathered) - forced
         _because(why, aligned, "; ".join(notes[seen:]) or "a whole value would need a slice of split features")
         new = aligned | reduced
         if not new and not a.retie:

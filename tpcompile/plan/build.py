@@ -39,6 +39,7 @@ from .experts import expert_plans, find_routers
 from .local_sizes import local_fixups, size_signature
 from .modules import (
     EnterRegion,
+    ExitGrad,
     GatherOutput,
     GradSum,
     ModuleOp,
@@ -137,7 +138,8 @@ def _plan(model: nn.Module, tp: int, *, loss_parallel: bool, rules: Iterable[Rul
     def run(cap: Capture) -> Analyzed:
         return analyze(cap.graph, _ruleset(rules), tp, param_of_placeholder=cap.param_of_placeholder,
                        buffer_of_placeholder=cap.buffer_of_placeholder, strict=strict, overrides=forced,
-                       split_stats=split_stats, override_reasons=reasons, entry_paths=entry_paths)
+                       split_stats=split_stats, override_reasons=reasons, entry_paths=entry_paths,
+                       gathered=not loss_parallel)
 
     for attempt in range(_SELF_CHECK_RETRIES + 1):
         a = run(cap)
@@ -343,6 +345,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
             biases = (*biases, pname)
         rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter, addends=a.addends.get(m, ()))
+    for m in a.reentry.exits:  # a whole module's output only split code reads
+        rep_ops[m][ExitGrad] = ExitGrad()
     for m, stat in a.stats.items():
         rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
     for m, slices in a.entry_slices.items():
@@ -362,9 +366,12 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
     for name, p in model.named_parameters():
         rep = cap.stacks.representative(name)
         aliases = [n for n in names_of[name] if n != name]
-        # a tied parameter is traced under one of its names: look each of them up
+        # a tied parameter is traced under one of its names: look each of them up, a name
+        # the graph uses before one it only lists (export lifts BART's shared table under
+        # all four names and reads it under ``lm_head.weight`` alone: the unread
+        # ``model.shared.weight`` has only a reason to stay whole)
         traced = (rep, *map(cap.stacks.representative, aliases))
-        key = next((r for r in traced if r in a.layouts or r in a.grad_allreduce or r in a.why), rep)
+        key = next((r for found in (a.layouts, a.grad_allreduce, a.why) for r in traced if r in found), rep)
         lay = a.layouts.get(key)
         lay = param_layout(lay) if lay is not None else None
         owner, _ = _owner(name)
