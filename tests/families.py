@@ -34,7 +34,7 @@ import transformers as hf
 __all__ = ["GENERATES", "build"]
 
 # families whose model generates text (greedy tokens are compared)
-GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
+GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "diffllama", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr",
@@ -69,6 +69,11 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=16, v_head_dim=16, vocab_size=256, max_position_embeddings=128,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    if name == "diffllama":  # one scalar from four [head_dim] parameters weighs every head's second map
+        return hf.DiffLlamaForCausalLM, hf.DiffLlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, **kw)
     if name == "apertus":  # xIELU: learnable [1] scalars broadcast over the sharded MLP features
         return hf.ApertusForCausalLM, hf.ApertusConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

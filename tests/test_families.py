@@ -38,6 +38,8 @@ CASES_TP2 = [
     ("mamba", None),
     ("deepseek_v3", "sdpa"), ("deepseek_v3", "eager"),
     ("apertus", "sdpa"), ("apertus", "eager"),
+    # a whole value computed from parameters alone met by split heads: their gradients summed
+    ("diffllama", "sdpa"), ("diffllama", "eager"),
     ("bart", "sdpa"), ("bart", "eager"),
     ("clip", "sdpa"), ("clip", "eager"),
     ("qwen3_next", "sdpa"), ("qwen3_next", "eager"),
@@ -270,7 +272,7 @@ def test_a_vision_side_that_cannot_split_leaves_the_text_planned_alone() -> None
 def test_plans_read_the_structure() -> None:
     """MLA: latent down-projections replicated, the heads split (up-projections column,
     ``o_proj`` row), the shared rotary key's gradient summed where ``kv_a_proj_with_mqa``
-    returns; T5's relative bias table split per head; Phi-3's KV-head count fixed up, its
+    returns; DiffLlama's parameter-only scalar summed through its parameters; T5's relative bias table split per head; Phi-3's KV-head count fixed up, its
     group count left."""
     ds = tpcompile.plan_model(build("deepseek_v3", meta=True), tp=2)
     attn = "model.layers.0.self_attn."
@@ -286,6 +288,13 @@ def test_plans_read_the_structure() -> None:
     with torch.device("meta"):  # DeepSeek-V3's own sizes, two layers (dense, then MoE)
         real = hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1))
     assert tpcompile.plan_model(real, tp=4).over_ideal() <= 1.04  # 1.11x with the attention whole
+    # DiffLlama's lambda scalar, computed from parameters alone, weighs the split heads:
+    # the heads split and the four parameters' gradients are summed (the attention was whole)
+    diff = tpcompile.plan_model(build("diffllama", "sdpa", meta=True), tp=2)
+    attn = "model.layers.0.self_attn."
+    assert diff.params[attn + "q_proj.weight"].role.value == "column"
+    assert {diff.params[attn + n].role.value for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")} == {
+        "replicated_grad_allreduce"}
     t5 = tpcompile.plan_model(build("t5", meta=True), tp=2)
     bias = t5.params["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
     assert (bias.role.value, bias.shard_dim, bias.local_shape) == ("column", 1, [32, 2])

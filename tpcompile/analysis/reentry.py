@@ -33,7 +33,7 @@ from .partition import Partition
 from .propagate import Analysis, innermost_module, module_path
 from .state import Feat, ParamRef, Partial
 
-__all__ = ["Reentry", "find_exit", "find_reentry"]
+__all__ = ["Reentry", "find_exit", "find_params_only", "find_reentry"]
 
 
 @dataclass
@@ -92,6 +92,32 @@ def find_exit(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Re
         if found is not None and node in found.nodes:
             return found
     return None
+
+
+def find_params_only(an: Analysis, layouts: dict, node: fx.Node) -> Reentry | None:
+    """The sums for ``node``, a whole value met by split features that is computed from
+    parameters alone (no input of the model reaches it), or ``None``.
+
+    DiffLlama weighs each head's second attention map by one scalar,
+    ``exp(sum(lambda_q1 * lambda_k1)) - exp(sum(lambda_q2 * lambda_k2)) + lambda_init``.
+    Split by heads, each rank's backward gives that scalar only its own heads' part of the
+    gradient.  Every rank computes the scalar the same way from the same parameters, so
+    their gradients are linear in its gradient: all-reducing the parameters' gradients
+    (``GradSum``) sums the scalar's on the way."""
+    ancestors = _ancestors(node)
+    found = Reentry(nodes={node})
+    for arg in (node, *ancestors):
+        value = an.value.get(arg)
+        if arg.op == "placeholder":
+            if not isinstance(value, ParamRef):
+                return None  # an input of the model: the value is computed from data
+            if not value.is_buffer and value.fqn not in layouts:
+                found.params.add(value.fqn)
+        elif arg in an.tainted:
+            if isinstance(value, Feat | Partial):
+                return None
+            found.nodes.add(arg)
+    return found if found.params else None
 
 
 def _ancestors(node: fx.Node) -> dict[fx.Node, int]:
