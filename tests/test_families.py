@@ -236,6 +236,12 @@ def test_example_inputs_come_from_the_model() -> None:
     assert shapes["vit"] == {"pixel_values": (1, 3, 32, 32)}
     assert shapes["mamba"] == {"input_ids": (1, 7)}
     assert shapes["clip"] == {"input_ids": (1, 7), "pixel_values": (1, 3, 32, 32)}  # both towers
+    # a spectrogram of the frame count its position table was built for, not raw audio
+    with torch.device("meta"):
+        ast = hf.ASTModel(hf.ASTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       intermediate_size=128, max_length=64, num_mel_bins=32))
+    assert {k: tuple(v.shape) for k, v in example_inputs(ast).items()} == {"input_values": (1, 64, 32)}
+    assert tpcompile.plan_model(ast, tp=2).params["layers.0.attention.q_proj.weight"].role.value == "column"
 
 
 def test_a_vision_language_model_gets_one_placeholder_per_image_feature() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers as hf
 from dist import CaseResults, plan_ahead, run_cases
 from torch.distributed.tensor import DTensor
 
@@ -119,7 +120,7 @@ def _cases(world: int) -> dict[str, tuple]:
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
                       "outside_read": (_outside_read,), "gathered_head": (_gathered_head,),
-                      "batch_norm": (_batch_norm_training,)})
+                      "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
 
@@ -393,6 +394,41 @@ def test_batch_norm_over_split_channels_trains_and_keeps_its_running_statistics(
         # updated its own channels; without the write-back the others stayed at init)
         assert len(got["stats"]) >= 60 and max(got["stats"].values()) < TOL, got["stats"]
         assert got["logits"] < TOL and got["bn"] == "sharded", got
+
+
+def _hf_checkpointing(rank: int, world: int) -> dict[str, tuple[float, float, bool]]:
+    """transformers' own ``gradient_checkpointing_enable()`` (what the Trainer calls for
+    ``gradient_checkpointing=True``), before or after ``transform``, either reentrancy:
+    the recomputed forward runs the hooks and collectives again."""
+    out = {}
+    for attn in ("sdpa", "eager"):
+        for reentrant in (True, False):
+            for when in ("before", "after"):
+                torch.manual_seed(0)
+                ref = hf.LlamaForCausalLM(hf.LlamaConfig(
+                    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, attn_implementation=attn))
+                model = copy.deepcopy(ref)
+                kw = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+                if when == "before":
+                    model.gradient_checkpointing_enable(**kw)
+                tpcompile.transform(model, tp=world)
+                if when == "after":
+                    model.gradient_checkpointing_enable(**kw)
+                ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+                want, got = ref(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+                want.backward(), got.backward()
+                out[f"{attn} reentrant={reentrant} {when}"] = (
+                    abs(got.item() - want.item()), max(grad_errors(model, ref, world).values()),
+                    model.is_gradient_checkpointing)
+    return out
+
+
+def test_transformers_gradient_checkpointing_keeps_the_gradients(world2: CaseResults) -> None:
+    for per_case in world2["hf_checkpointing"]:
+        assert len(per_case) == 8
+        for name, (loss_err, grad_err, on) in per_case.items():
+            assert on and loss_err < 1e-5 and grad_err < 1e-5, name
 
 
 @pytest.mark.parametrize("family", ["mixtral", "llama"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch.fx as fx
 
 from .gradients import splits
@@ -88,7 +89,7 @@ def find_exit(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Re
             continue
         if any(u.op == "output" or module in module_path(u) for u in made.users):
             continue  # not what the module returns: the module goes on after it
-        found = _walk(an, part, layouts, Reentry(exits={module}), [made], {module})
+        found = _walk(an, part, layouts, Reentry(exits={module}), [made], {module}, returned=True)
         if found is not None and node in found.nodes:
             return found
     return None
@@ -104,6 +105,9 @@ def find_params_only(an: Analysis, layouts: dict, node: fx.Node) -> Reentry | No
     gradient.  Every rank computes the scalar the same way from the same parameters, so
     their gradients are linear in its gradient: all-reducing the parameters' gradients
     (``GradSum``) sums the scalar's on the way."""
+    outputs = _returned_atoms(an)
+    if any(isinstance(v := an.value.get(u), Feat) and outputs & _atoms(v.atoms) for u in node.users):
+        return None  # it meets an output head's logits, gathered (whole) where the head returns
     ancestors = _ancestors(node)
     found = Reentry(nodes={node})
     for arg in (node, *ancestors):
@@ -120,6 +124,15 @@ def find_params_only(an: Analysis, layouts: dict, node: fx.Node) -> Reentry | No
     return found if found.params else None
 
 
+def _atoms(atoms: np.ndarray) -> set[int]:
+    return set(np.unique(atoms[atoms >= 0]).tolist())
+
+
+def _returned_atoms(an: Analysis) -> set[int]:
+    """The feature atoms of what the model returns (an LM head's logits)."""
+    return set().union(*(_atoms(o) for o in an.outputs)) if an.outputs else set()
+
+
 def _ancestors(node: fx.Node) -> dict[fx.Node, int]:
     """The nodes ``node`` is computed from, each with its position in the graph."""
     order = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -134,10 +147,14 @@ def _ancestors(node: fx.Node) -> dict[fx.Node, int]:
 
 
 def _walk(an: Analysis, part: Partition, layouts: dict, found: Reentry, todo: list[fx.Node],
-          homes: set[str]) -> Reentry | None:
+          homes: set[str], returned: bool = False) -> Reentry | None:
     """Follow the whole values computed from ``todo`` to every use: each must be split
-    code (or a split column, which then leaves its input's sum to ``found``)."""
+    code (or a split column, which then leaves its input's sum to ``found``).  With
+    ``returned``, split code carrying features the model returns does not count: an LM
+    head's logits are gathered where the head returns, so what reads them after it sees
+    them whole, and its gradient is whole on every rank already."""
     columns = {c.node: c for c in an.columns}
+    outputs = _returned_atoms(an) if returned else set()
     found.nodes.update(todo)
     while todo:
         for user in todo.pop().users:
@@ -149,12 +166,16 @@ def _walk(an: Analysis, part: Partition, layouts: dict, found: Reentry, todo: li
                 return None  # read inside the row's own module, before its exit
             col = columns.get(user)
             if col is not None and col.fqn in layouts:
+                if outputs & _atoms(col.atoms):
+                    return None  # an output head: it enters on its own and is gathered
                 found.columns.add(col.fqn)  # its input gradient is summed at the exit now
                 continue
             out = an.value.get(user)
             if isinstance(out, Feat):
                 if not splits(part, an.aligned_to(out.atoms, an.ndim(user))):
                     return None  # an unsplit feature: its gradient is whole already
+                if outputs & _atoms(out.atoms):
+                    return None  # read after a gathered head: whole there
                 continue  # split code: the partial gradient the exit sums
             if user not in an.tainted:
                 continue  # no gradient flows back from it (a mask, a shape check)

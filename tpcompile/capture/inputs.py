@@ -105,6 +105,11 @@ def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype
             raise TPError("the model takes input_features but its config gives no feature size; pass example_inputs=")
         return _floats((batch, 4 * seq, int(per_frame) * int(channels)), dtype, device, gen)
     if name == "input_values":
+        mels, frames = _find(config, "num_mel_bins"), _find(config, "max_length")
+        if isinstance(mels, int) and isinstance(frames, int):
+            # a spectrogram of a fixed frame count (Audio Spectrogram Transformer: its
+            # position table holds one row per patch of exactly that many frames)
+            return _floats((batch, frames, mels), dtype, device, gen)
         # raw audio: long enough for a strided conv feature encoder to leave a few frames
         kernels = _find(config, "conv_kernel") or [10]
         strides = _find(config, "conv_stride") or [5]
