@@ -89,13 +89,13 @@ def find_exit(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Re
             continue
         if any(u.op == "output" or module in module_path(u) for u in made.users):
             continue  # not what the module returns: the module goes on after it
-        found = _walk(an, part, layouts, Reentry(exits={module}), [made], {module}, returned=True)
+        found = _walk(an, part, layouts, Reentry(exits={module}), [made], {module}, whole_origin=True)
         if found is not None and node in found.nodes:
             return found
     return None
 
 
-def find_params_only(an: Analysis, layouts: dict, node: fx.Node) -> Reentry | None:
+def find_params_only(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Reentry | None:
     """The sums for ``node``, a whole value met by split features that is computed from
     parameters alone (no input of the model reaches it), or ``None``.
 
@@ -104,24 +104,23 @@ def find_params_only(an: Analysis, layouts: dict, node: fx.Node) -> Reentry | No
     Split by heads, each rank's backward gives that scalar only its own heads' part of the
     gradient.  Every rank computes the scalar the same way from the same parameters, so
     their gradients are linear in its gradient: all-reducing the parameters' gradients
-    (``GradSum``) sums the scalar's on the way."""
-    outputs = _returned_atoms(an)
-    if any(isinstance(v := an.value.get(u), Feat) and outputs & _atoms(v.atoms) for u in node.users):
-        return None  # it meets an output head's logits, gathered (whole) where the head returns
-    ancestors = _ancestors(node)
-    found = Reentry(nodes={node})
-    for arg in (node, *ancestors):
+    (``GradSum``) sums the scalar's on the way — provided every use of those parameters
+    ends in split code (one read whole elsewhere would be counted ``tp`` times)."""
+    starts: list[fx.Node] = []
+    for arg in (node, *_ancestors(node)):
         value = an.value.get(arg)
         if arg.op == "placeholder":
             if not isinstance(value, ParamRef):
                 return None  # an input of the model: the value is computed from data
             if not value.is_buffer and value.fqn not in layouts:
-                found.params.add(value.fqn)
-        elif arg in an.tainted:
-            if isinstance(value, Feat | Partial):
-                return None
-            found.nodes.add(arg)
-    return found if found.params else None
+                starts.append(arg)
+        elif arg in an.tainted and isinstance(value, Feat | Partial):
+            return None
+    if not starts:
+        return None
+    found = _walk(an, part, layouts, Reentry(params={an.value[a].fqn for a in starts}), starts, set(),
+                  whole_origin=True)
+    return found if found is not None and node in found.nodes else None
 
 
 def _atoms(atoms: np.ndarray) -> set[int]:
@@ -147,14 +146,15 @@ def _ancestors(node: fx.Node) -> dict[fx.Node, int]:
 
 
 def _walk(an: Analysis, part: Partition, layouts: dict, found: Reentry, todo: list[fx.Node],
-          homes: set[str], returned: bool = False) -> Reentry | None:
+          homes: set[str], whole_origin: bool = False) -> Reentry | None:
     """Follow the whole values computed from ``todo`` to every use: each must be split
-    code (or a split column, which then leaves its input's sum to ``found``).  With
-    ``returned``, split code carrying features the model returns does not count: an LM
-    head's logits are gathered where the head returns, so what reads them after it sees
-    them whole, and its gradient is whole on every rank already."""
+    code (or a split column, which then leaves its input's sum to ``found``).  From a
+    ``whole_origin`` (not a row's sum), split code carrying features the model returns
+    does not count (an LM head's logits are gathered where the head returns: what reads
+    them after it sees them whole, and their gradient is whole on every rank already), nor
+    does a partial sum the value joins (its gradient comes back whole from the reduce)."""
     columns = {c.node: c for c in an.columns}
-    outputs = _returned_atoms(an) if returned else set()
+    outputs = _returned_atoms(an) if whole_origin else set()
     found.nodes.update(todo)
     while todo:
         for user in todo.pop().users:
@@ -179,6 +179,8 @@ def _walk(an: Analysis, part: Partition, layouts: dict, found: Reentry, todo: li
                 continue  # split code: the partial gradient the exit sums
             if user not in an.tainted:
                 continue  # no gradient flows back from it (a mask, a shape check)
+            if whole_origin and isinstance(out, Partial):
+                return None
             found.nodes.add(user)
             todo.append(user)
             # a parameter applied on the way (Jamba's norms of B and C) receives the same

@@ -172,7 +172,7 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None, gathered
             continue  # no gradient: each rank takes its rows where it enters the module
         if not sliced and shared and ev.tainted:
             found = (find_reentry(an, part, a.layouts, node) or find_exit(an, part, a.layouts, node)
-                     or find_params_only(an, a.layouts, node))
+                     or find_params_only(an, part, a.layouts, node))
             if found is not None:  # summed where the row's sum leaves its module
                 a.reentry.update(found)
                 a.grad_allreduce |= found.params
