@@ -137,10 +137,7 @@ def unsummed_gradients(an: Analysis, part: Partition, layouts: dict, summed: set
     # applied to it on the way gets a partial gradient too
     rows = [r.atoms.reshape(-1) for r in an.rows if reentry is not None and r.fqn in reentry.rows]
     region = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-    exits = reentry.exits if reentry is not None else set()
     for node in reentered:
-        if innermost_module(node) in exits:
-            continue  # a whole module's output: its gradient is summed before its own backward
         for arg in node.all_input_nodes:
             v = an.value.get(arg)
             if isinstance(v, ParamRef) and not v.is_buffer and v.fqn not in layouts and v.fqn not in summed:

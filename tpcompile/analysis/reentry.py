@@ -31,10 +31,10 @@ import torch.fx as fx
 
 from .gradients import splits
 from .partition import Partition
-from .propagate import Analysis, innermost_module, module_path
+from .propagate import Analysis, module_path
 from .state import Feat, ParamRef, Partial
 
-__all__ = ["Reentry", "find_exit", "find_params_only", "find_reentry"]
+__all__ = ["Reentry", "find_params_only", "find_reentry"]
 
 
 @dataclass
@@ -46,13 +46,9 @@ class Reentry:
     columns: set[str] = field(default_factory=set)
     nodes: set[fx.Node] = field(default_factory=set)
     params: set[str] = field(default_factory=set)  # used on the way: partial gradients too
-    # modules kept whole whose output only split code reads: the gradient of that output
-    # is summed where it leaves them (``ExitGrad``)
-    exits: set[str] = field(default_factory=set)
 
     def update(self, other: Reentry) -> None:
         self.rows |= other.rows
-        self.exits |= other.exits
         self.columns |= other.columns
         self.nodes |= other.nodes
         self.params |= other.params
@@ -69,30 +65,6 @@ def find_reentry(an: Analysis, part: Partition, layouts: dict, node: fx.Node) ->
         return None  # not actually split: a whole value, nothing to re-enter
     return _walk(an, part, layouts, Reentry(rows={r.fqn for r in rows}), [r.node for r in rows],
                  {r.module for r in rows})
-
-
-def find_exit(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Reentry | None:
-    """The whole module whose output's gradient, summed where it leaves the module, sums
-    the partial gradient of ``node`` (a whole value met by split features), or ``None``.
-
-    MLA's shared rotary key: ``kv_a_proj_with_mqa`` (kept whole) makes a latent, which
-    ``kv_b_proj`` lifts to the heads, and ``k_pe``, expanded to every head.  Split by
-    heads, each rank's backward gives ``k_pe`` its own heads' part of the gradient, and no
-    module boundary sits where ``k_pe`` meets them; one sits where it is made.  If every
-    use of that module's output is split code or a split column, the output's gradient is
-    summed at the module's exit and those columns leave their input's sum to it (as a
-    re-entering row's exit does).  The nearest such module above ``node`` is taken."""
-    ancestors = _ancestors(node)
-    for made in sorted(ancestors, key=lambda n: -ancestors[n]):
-        module = innermost_module(made) if made.op == "call_function" else ""
-        if not module or made not in an.tainted or isinstance(an.value.get(made), Feat | Partial):
-            continue
-        if any(u.op == "output" or module in module_path(u) for u in made.users):
-            continue  # not what the module returns: the module goes on after it
-        found = _walk(an, part, layouts, Reentry(exits={module}), [made], {module}, whole_origin=True)
-        if found is not None and node in found.nodes:
-            return found
-    return None
 
 
 def find_params_only(an: Analysis, part: Partition, layouts: dict, node: fx.Node) -> Reentry | None:

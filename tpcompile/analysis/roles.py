@@ -32,7 +32,7 @@ from .heads import gathered_heads, heads_off_the_last_dim, readers_of_gathered_h
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
-from .reentry import Reentry, find_exit, find_params_only, find_reentry
+from .reentry import Reentry, find_params_only, find_reentry
 from .state import Feat, ParamRef
 from .stats import STAT_OPS, SplitStat, find_split_stats
 
@@ -171,8 +171,7 @@ def _aligned_checks(a: Analyzed, entry_paths: EntryPaths | None = None, gathered
         if len(sliced) == 1 and not multi and _sliced_at_entry(a, ev, ranks, sliced[0], entry_paths):
             continue  # no gradient: each rank takes its rows where it enters the module
         if not sliced and shared and ev.tainted:
-            found = (find_reentry(an, part, a.layouts, node) or find_exit(an, part, a.layouts, node)
-                     or find_params_only(an, part, a.layouts, node))
+            found = find_reentry(an, part, a.layouts, node) or find_params_only(an, part, a.layouts, node)
             if found is not None:  # summed where the row's sum leaves its module
                 a.reentry.update(found)
                 a.grad_allreduce |= found.params

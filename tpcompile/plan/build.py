@@ -39,7 +39,6 @@ from .experts import expert_plans, find_routers
 from .local_sizes import local_fixups, size_signature
 from .modules import (
     EnterRegion,
-    ExitGrad,
     GatherOutput,
     GradSum,
     ModuleOp,
@@ -345,8 +344,6 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
                 raise TPError(f"row-parallel {m} adds bias {bias} owned by another module")
             biases = (*biases, pname)
         rep_ops[m][ReduceOutput] = ReduceOutput(row_biases=biases, reenter=reenter, addends=a.addends.get(m, ()))
-    for m in a.reentry.exits:  # a whole module's output only split code reads
-        rep_ops[m][ExitGrad] = ExitGrad()
     for m, stat in a.stats.items():
         rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
     for m, slices in a.entry_slices.items():

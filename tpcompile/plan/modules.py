@@ -8,8 +8,6 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
     ReduceOutput(reenter=True)         ... and of its gradient (only split code reads it)
     ReduceOutput(addends=["b"])        ... a bias the forward adds to the partial sum: rank 0
                                        adds it, every rank passes its gradient through
-    ExitGrad()                         all-reduce of the gradient of a whole module's output
-                                       that only split code reads
     GatherOutput(vocab_size=V)         all-gather of the vocab-sharded logits (unpadded to V)
     GradSum(params=["weight"])         all-reduce of a replicated parameter's gradient
     SplitStats(dim=-1, size=N, ...)    mean / sum / var over split features: local partial
@@ -33,8 +31,7 @@ hook                phase     op          tensor each rank passes in
 ``EMBED_REDUCE``    forward   all_reduce  the masked embedding output
 ``EXIT_REDUCE``     forward   all_reduce  each floating output (row-parallel partial sum)
 ``EXIT_GRAD``       backward  all_reduce  gradient of each floating output a re-entering
-                                          row's (or an ``ExitGrad`` module's) split
-                                          readers each partly compute
+                                          row's split readers each partly compute
 ``EXIT_GATHER``     forward   all_gather  the vocab-sharded logits (local shard)
 ``GRAD_SUM``        backward  all_reduce  the replicated parameter's gradient
 ``REPLICA_SUM``     backward  all_reduce  the KV-replica parameter's gradient over its
@@ -56,7 +53,7 @@ from typing import Any, ClassVar
 from ..errors import TPError
 
 __all__ = [
-    "Collective", "EnterRegion", "ExitGrad", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
+    "Collective", "EnterRegion", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
     "SliceBuffers", "SliceInputs", "SplitStats", "VocabEmbedding",
 ]
 
@@ -190,21 +187,6 @@ class ReduceOutput(ModuleOp):
 
     def collectives(self) -> list[Collective]:
         return [Collective(hook=Hook.EXIT_REDUCE)] + ([Collective(hook=Hook.EXIT_GRAD)] if self.reenter else [])
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExitGrad(ModuleOp):
-    """A module kept whole whose output only split code reads (MLA's ``kv_a_proj_with_mqa``:
-    its latent goes to the split ``kv_b_proj``, its rotary key ``k_pe`` to every head):
-    each rank computes part of the output's gradient, which is all-reduced where the
-    module returns; the columns reading it leave their input's sum to this
-    (:func:`tpcompile.analysis.reentry.find_exit`)."""
-
-    kind: ClassVar[str] = "exit_grad"
-    order: ClassVar[int] = 3
-
-    def collectives(self) -> list[Collective]:
-        return [Collective(hook=Hook.EXIT_GRAD)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,7 +327,7 @@ class SliceBuffers(ModuleOp):
         return select_rows(buffer, dim, self._rows[i][rank])
 
 
-OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput, ExitGrad,
+OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,
                                                             GatherOutput, SplitStats, SliceInputs, SliceBuffers)}
 
 

@@ -38,7 +38,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..errors import TPError
 from ..plan.modules import (
     EnterRegion,
-    ExitGrad,
     GatherOutput,
     GradSum,
     ModulePlan,
@@ -467,16 +466,10 @@ class _GatherHooks(OpHooks):
         return _map_tensors(out, gather)
 
 
-class _ExitGradHooks(OpHooks):
-    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
-        # only split code reads the output: the sum of the ranks' gradients is its gradient
-        return _map_tensors(out, lambda t: comm.copy_to_tp(t, self.group) if t.is_floating_point() else t)
-
-
 # op type -> its handler; a new collective kind is one ModuleOp subclass plus one entry
 HANDLERS: dict[type, type[OpHooks]] = {
     GradSum: _GradSumHooks, EnterRegion: _EnterHooks, VocabEmbedding: _VocabHooks,
-    ReduceOutput: _ReduceHooks, ExitGrad: _ExitGradHooks, GatherOutput: _GatherHooks, SplitStats: _SplitStatHooks,
+    ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks, SplitStats: _SplitStatHooks,
     SliceInputs: _SliceInputHooks, SliceBuffers: _SliceBufferHooks,
 }
 
