@@ -424,9 +424,14 @@ def world2() -> CaseResults:
                          "selected": (_blorp, SelectedStack), "head_biased": (_blorp, HeadBiasedStack)})
 
 
-def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
-    for out_err, grad_err in world2["sometimes"]:
+def assert_exact(results: CaseResults, case: str) -> None:
+    """Every rank's output and gradient errors of ``case`` (a :func:`_blorp` run) within 1e-5."""
+    for out_err, grad_err in results[case]:
         assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_blocks_called_differently_are_exact(world2: CaseResults) -> None:
+    assert_exact(world2, "sometimes")
 
 
 def test_blocks_set_differently_are_traced_apart_and_exact(world2: CaseResults) -> None:
@@ -441,46 +446,38 @@ def test_blocks_set_differently_are_traced_apart_and_exact(world2: CaseResults) 
     # the position-bias table splits by heads with the attention, not kept whole
     assert plan.params["s.0.table"].shard_dim == 1 and plan.params["s.1.table"].shard_dim == 1
     assert plan.modules["s.1"].attr_fixups.get("heads") == [HEADS, HEADS // 2]
-    for out_err, grad_err in world2["shifted"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "shifted")
 
 
 def test_spatial_ops_on_split_channels_are_exact(world2: CaseResults) -> None:
-    for out_err, grad_err in world2["pyramid"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "pyramid")
 
 
 def test_deformable_sampling_is_exact(world2: CaseResults) -> None:
-    for out_err, grad_err in world2["deformable"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "deformable")
 
 
 def test_sizes_read_at_run_time_are_exact(world2: CaseResults) -> None:
     # a batch and length other than the capture's: the sites' sizes are the features' only
-    for out_err, grad_err in world2["size_readers"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "size_readers")
 
 
 def test_a_gathered_head_reshaped_after_it_is_exact(world2: CaseResults) -> None:
-    for out_err, grad_err in world2["upsampled"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "upsampled")
 
 
 def test_a_weight_read_under_its_tied_name_outside_is_local_there(world2: CaseResults) -> None:
     # crashed on a DTensor: only the first of the tied names was swapped for the root's forward
-    for out_err, grad_err in world2["tied_read"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "tied_read")
 
 
 def test_positional_windows_exact_outputs_and_grads(world2: CaseResults) -> None:
-    for out_err, grad_err in world2["wobbles"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "wobbles")
 
 
 @pytest.mark.slow
 def test_meaningless_names_exact_outputs_and_grads(world2: CaseResults) -> None:
-    for out_err, grad_err in world2["blorp"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "blorp")
 
 
 def test_plan_json_round_trip() -> None:
@@ -850,8 +847,7 @@ def test_whole_vectors_before_a_split_contraction_sum_their_gradients_and_nested
     # base all-reduces where it returns and the wrapper again: the region stays whole
     assert p["s.1.down.base.weight"].shard_dim is None and p["s.1.down.block"].shard_dim is None
     assert "joins one its caller computes" in p["s.1.down.base.weight"].whole_because
-    for out_err, grad_err in world2["gated"]:  # both were off before: gradients, and the forward
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "gated")  # both were off before: gradients, and the forward
 
 
 class _Selected(nn.Module):
@@ -880,8 +876,7 @@ def test_a_boolean_mask_over_several_dims_keeps_features_split(world2: CaseResul
     # the mask spans batch and time, not the features (it was read as one dim: the rule
     # then gave its output the wrong shape and the transform failed)
     assert plan.params["s.0.up.weight"].role is Role.COLUMN and plan.params["s.0.down.weight"].role is Role.ROW
-    for out_err, grad_err in world2["selected"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "selected")
 
 
 class _HeadBiased(nn.Module):
@@ -913,5 +908,4 @@ def test_a_split_parameter_viewed_by_a_global_count_gets_a_shape_site(world2: Ca
     plan = tpcompile.plan_model(model, tp=2)
     assert plan.params["s.0.bias_u"].shard_dim == 0  # by heads, with the attention
     assert any(k.startswith("@") for k in plan.modules["s.0"].attr_fixups)  # refused before
-    for out_err, grad_err in world2["head_biased"]:
-        assert out_err < 1e-5 and grad_err < 1e-5
+    assert_exact(world2, "head_biased")

@@ -104,15 +104,14 @@ def _returned_atoms(an: Analysis) -> set[int]:
     return set().union(*(_atoms(o) for o in an.outputs)) if an.outputs else set()
 
 
-def _ancestors(node: fx.Node) -> dict[fx.Node, int]:
-    """The nodes ``node`` is computed from, each with its position in the graph."""
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    seen: dict[fx.Node, int] = {}
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """The nodes ``node`` is computed from."""
+    seen: set[fx.Node] = set()
     todo = [node]
     while todo:
         for arg in todo.pop().all_input_nodes:
             if arg not in seen:
-                seen[arg] = order[arg]
+                seen.add(arg)
                 todo.append(arg)
     return seen
 

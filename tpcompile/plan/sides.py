@@ -42,10 +42,11 @@ def plan_both_sides(plan_side: Callable[[], tuple[Plan, tuple[str, ...]]], model
     except TPError as err:
         raise TPError(f"{model_name} branches on its data at {lines}; with the other answer there "
                       f"it cannot be split: {err}") from err
-    differ = _differences(plan, other)
+    da, db = plan.to_dict(), other.to_dict()
+    params = _differing_params(da["params"], db["params"])
+    differ = _differences(plan, other, params, da["modules"], db["modules"])
     if differ:
-        owners = sorted({plan.params[f].module if f in plan.params else other.params[f].module
-                         for f in _differing_params(plan, other)})
+        owners = sorted({plan.params[f].module if f in plan.params else other.params[f].module for f in params})
         keep = ", ".join(f"'re:{re.escape(m)}\\..*': 'replicated'" for m in owners[:4])
         raise TPError(f"{model_name} branches on its data at {lines}, and its two sides need different "
                       f"splits ({'; '.join(differ[:3])}). The runtime runs whichever side the batch takes, "
@@ -64,22 +65,22 @@ def _module_key(module: dict[str, Any] | None) -> dict[str, Any] | None:
     return {**module, "attr_fixups": fixups} if module.get("ops") or fixups else None
 
 
-def _differing_params(a: Plan, b: Plan) -> list[str]:
-    def decided(plan: Plan) -> dict[str, Any]:
+def _differing_params(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The parameters two plans' ``params`` (as data) decide differently."""
+    def decided(params: dict[str, Any]) -> dict[str, Any]:
         # why a parameter stays whole is said, not decided; where a whole one is swapped
         # in (its scope) changes nothing
         return {k: {**v, "whole_because": ""} | ({"scope": None} if v["shard_dim"] is None else {})
-                for k, v in plan.to_dict()["params"].items()}
+                for k, v in params.items()}
 
     pa, pb = decided(a), decided(b)
     return [fqn for fqn in sorted(set(pa) | set(pb)) if pa.get(fqn) != pb.get(fqn)]
 
 
-def _differences(a: Plan, b: Plan) -> list[str]:
-    """What the two plans decide differently, one phrase per parameter or module."""
-    out = [f"parameter {fqn}: {_param_text(a, fqn)} against {_param_text(b, fqn)}"
-           for fqn in _differing_params(a, b)]
-    ma, mb = a.to_dict()["modules"], b.to_dict()["modules"]
+def _differences(a: Plan, b: Plan, params: list[str], ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    """What the two plans decide differently, one phrase per parameter (``params``: those
+    :func:`_differing_params` found) or module (``ma`` / ``mb``: their modules as data)."""
+    out = [f"parameter {fqn}: {_param_text(a, fqn)} against {_param_text(b, fqn)}" for fqn in params]
     for fqn in sorted(set(ma) | set(mb)):
         ka, kb = _module_key(ma.get(fqn)), _module_key(mb.get(fqn))
         if ka != kb:
