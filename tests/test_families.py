@@ -28,6 +28,7 @@ from tpcompile.capture import example_inputs
 from tpcompile.errors import TPError
 from tpcompile.plan import Plan
 from tpcompile.plan.modules import SliceBuffers, SliceInputs, SplitStats
+from tpcompile.tools.shrink import shrink_config
 
 TOL = 1e-5
 STEP_TOL = 1e-4  # relative, as the FSDP2 training comparisons
@@ -73,6 +74,9 @@ CASES_TP2 = [
     # vision-language models: image features fill the text's placeholder tokens
     # (masked_scatter), so the vision tower and projector are captured and split too
     ("llava", "sdpa"), ("llava", "eager"), ("gemma3_vlm", "sdpa"), ("gemma3_vlm", "eager"),
+    # ... and those whose vision side reads each image's size as a value (LLaVA-NeXT's
+    # tiling, Pixtral's patch grid): image_sizes as a list, a constant of the trace
+    ("llava_next", "sdpa"), ("mistral3", "eager"),
     # ... and where the vision side cannot split, the text alone is planned (it crashed
     # in the uncaptured tower's attention pooling at run time)
     ("gemma3_vlm_whole_vision", "sdpa"),
@@ -258,6 +262,37 @@ def test_a_vision_language_model_gets_one_placeholder_per_image_feature() -> Non
     assert set(inputs) == {"input_ids", "pixel_values"}
     assert inputs["pixel_values"].shape == (1, 3, 32, 32) and inputs["input_ids"].shape == (1, 16 + 7)
     assert int((inputs["input_ids"] == 3).sum()) == 16  # random text never draws the placeholder
+
+
+def test_a_vision_side_that_reads_image_sizes_is_captured_and_split() -> None:
+    # LLaVA-NeXT tiles each image by its size (a base view and a 1x2 pinpoint grid,
+    # padded to the largest grid's 5 views as its processor pads); Mistral 3's Pixtral
+    # counts its tokens per image from image_sizes (``.tolist()``). As tensors those
+    # counts are questions only data answers and the vision side stayed whole; as lists
+    # they are constants of the trace
+    # base view 4x4 patches; tiles 4x8, unpadded to the image's square 4x4, a newline a row
+    want = {"llava_next": ((1, 5, 3, 32, 32), 16 + 4 * (4 + 1)),
+            "mistral3": ((1, 3, 32, 32), 4)}  # 4x4 patches merged 2x2
+    for name, (pixels, placeholders) in want.items():
+        model = build(name, "sdpa")
+        inputs = example_inputs(model, seq=7, generator=torch.Generator().manual_seed(0))
+        assert inputs["image_sizes"] == [[32, 32]] and tuple(inputs["pixel_values"].shape) == pixels, name
+        assert int((inputs["input_ids"] == 3).sum()) == placeholders, name
+        with torch.no_grad():
+            model(**inputs)  # the model takes the batch as built
+        plan = tpcompile.plan_model(model, tp=2)
+        tower = "model.vision_tower." + ("encoder.layers.0.self_attn." if name == "llava_next"
+                                         else "transformer.layers.0.attention.")
+        assert plan.params[tower + "q_proj.weight"].role.value == "column", name
+        assert plan.params[tower + ("out_proj" if name == "llava_next" else "o_proj") + ".weight"].role.value == "row"
+    # the shrunk copy verify checks keeps two merged tokens a side and its tiling grids
+    # in units of its image size, so a shrunk image still tiles into 1 + 2 views
+    small = shrink_config(hf.Mistral3Config(), 2)
+    assert small.vision_config.image_size == 4 * small.vision_config.patch_size
+    onevision = shrink_config(hf.LlavaOnevisionConfig(), 2)
+    size = onevision.vision_config.image_size
+    assert [384, 768] in hf.LlavaOnevisionConfig().image_grid_pinpoints
+    assert [size, 2 * size] in onevision.image_grid_pinpoints
 
 
 def test_a_vision_side_that_cannot_split_leaves_the_text_planned_alone() -> None:

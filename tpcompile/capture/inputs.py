@@ -19,9 +19,11 @@ split: every later default batch of it is the text alone, so all traces agree.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,12 +160,57 @@ def _image_side(model: nn.Module) -> Any:
     return None
 
 
-def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """``pixels`` as the vision side takes them (a batch of images, or of one-image
-    lists as Idefics 3 takes), and how many values it splices into the text for them
+def _pixel_layouts(config: Any, pixels: torch.Tensor) -> list[torch.Tensor]:
+    """The layouts a vision side may take its pixels in: a batch of images; of one-image
+    lists (Idefics 3); of tile lists (LLaVA-NeXT, LLaVA-OneVision: a base view and the
+    tiles of its grid pinpoint, padded to the largest grid as their processors pad, each
+    image's own count sliced off by the model)."""
+    out = [pixels, pixels.unsqueeze(1)]
+    pinpoints = _find(config, "image_grid_pinpoints")
+    h, w = pixels.shape[-2:]
+    if isinstance(pinpoints, list | tuple) and pinpoints and h and w:
+        tiles = 1 + max(int(a) // h * (int(b) // w) for a, b in pinpoints)
+        out.append(pixels.unsqueeze(1).expand(-1, tiles, -1, -1, -1).contiguous())
+    return out
+
+
+def _size_inputs(side: Any, pixels: torch.Tensor) -> dict[str, Any]:
+    """The inputs besides pixels that ``side.get_image_features`` reads as values: each
+    image's ``image_sizes`` (LLaVA-NeXT picks its tiling by them, Pixtral cuts its patch
+    grid to them).  A Python list, as the capture needs: a tensor would make every count
+    derived from it a question only real data answers, while a list is a constant of the
+    trace.  The model takes either."""
+    try:
+        wanted = inspect.signature(side.get_image_features).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "image_sizes" not in wanted:
+        return {}
+    h, w = (int(n) for n in pixels.shape[-2:])
+    return {"image_sizes": [[h, w] for _ in range(pixels.shape[0])]}
+
+
+@contextlib.contextmanager
+def _small_constants(limit: int = 64) -> Iterator[None]:
+    """Fake tensors made from Python data (``torch.as_tensor(image_sizes)``) keep their
+    values up to ``limit`` entries instead of one, so counts computed from them
+    (Mistral 3's tokens per image, ``.prod(-1).tolist()``) stay plain ints."""
+    from torch._subclasses import fake_tensor
+
+    before = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(before, limit)
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = before
+
+
+def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[dict[str, Any], int] | None:
+    """``pixels`` as the vision side takes them (:func:`_pixel_layouts`) with the sizes it
+    reads (:func:`_size_inputs`), and how many values it splices into the text for them
     (``get_image_features``' output, run on fake tensors: no compute, no memory).
-    ``None`` where pixels alone do not decide it (LLaVA-NeXT tiles by the images'
-    sizes, Qwen2-VL by a patch grid: values a shapes-only run does not have)."""
+    ``None`` where pixels and sizes do not decide it (Qwen2-VL's patch grid is a tensor
+    the tower computes positions from: values a shapes-only run does not have)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils._pytree import tree_flatten
@@ -173,18 +220,19 @@ def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[torch.Tenso
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     twin = _image_side(fake_copy(model, mode).eval())
-    for candidate in (pixels, pixels.unsqueeze(1)):
+    for candidate in _pixel_layouts(_config(model), pixels):
+        sizes = _size_inputs(twin, pixels)
         with mode:
             fake = torch.zeros(candidate.shape, dtype=candidate.dtype)
         try:
-            with quiet_traces(), mode, as_if_exporting(), torch.no_grad():
-                out = twin.get_image_features(pixel_values=fake, return_dict=True)
+            with quiet_traces(), mode, as_if_exporting(), torch.no_grad(), _small_constants():
+                out = twin.get_image_features(pixel_values=fake, **sizes, return_dict=True)
         except Exception:  # noqa: BLE001 - not this layout, or more than pixels needed
             continue
         leaves = [t for t in tree_flatten(getattr(out, "pooler_output", out))[0] if isinstance(t, torch.Tensor)]
         total = sum(t.numel() for t in leaves)
         if leaves and isinstance(total, int):  # not a data-dependent count
-            return candidate, total
+            return {"pixel_values": candidate, **sizes}, total
     return None
 
 
@@ -205,7 +253,7 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
     found = _image_features(model, _main_input("pixel_values", config, batch, seq, dtype, device, gen))
     if found is None:
         return None
-    pixels, total = found
+    images, total = found
     if total % width or total // width % batch:
         return None
     n = total // width // batch
@@ -219,7 +267,7 @@ def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq:
     for v in specials:  # text drawing a placeholder (or an image's indicator) would be one too many
         ids[ids == v] = safe
     ids[:, 1:1 + n] = token  # after one text token, as a chat template puts them
-    return {"input_ids": ids, "pixel_values": pixels}
+    return {"input_ids": ids, **{k: v for k, v in images.items() if k in params}}
 
 
 def _special_ids(config: Any) -> set[int]:

@@ -6,6 +6,7 @@ the :class:`~tpcompile.plan.Plan` and the model, so a saved or edited plan appli
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -90,6 +91,11 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
     for mname, paths in scoped.items():
         prefix = f"{mname}." if mname else ""
         _install_scoped_swap(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
+    for mname in dict.fromkeys([*swaps, *scoped]):
+        if _feature_methods(mods[mname]):
+            prefix = f"{mname}." if mname else ""
+            paths = [*swaps.get(mname, []), *scoped.get(mname, [])]
+            _localize_feature_methods(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
@@ -113,33 +119,69 @@ def install_root_hooks(model: nn.Module, backend: Any) -> None:
         model.register_forward_hook(lambda *_: backend.reset())
 
 
-def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
-    """For ``module``'s whole forward, its descendants' parameters at ``paths`` are their
-    local tensors (the code reads them directly, outside the owner's forward): with the
-    gradients of rows several ranks hold summed, and of padding rows zeroed, as in an
-    owner's own forward (Mamba-2 reads its depthwise conv's weight whose B/C channels,
-    one group for all heads, every rank holds)."""
-    saved: list[tuple[nn.Module, str, Any]] = []
-    rows = {path: LocalRows.of(pp, backend.rank) for path, pp in paths.items()
-            if shares_rows(pp)}
+class _LocalSwap:
+    """Parameters at ``paths`` (under the module given to :meth:`enter`) as their local
+    tensors until :meth:`exit`: with the gradients of rows several ranks hold summed,
+    and of padding rows zeroed, as in an owner's own forward, and a scope's GradSum
+    (plan/build.py) once.  A path another swap made local already is left alone."""
 
-    def pre(mod: nn.Module, args: tuple) -> None:
-        for path, pp in paths.items():
+    def __init__(self, paths: dict[str, ParamPlan], backend: Any) -> None:
+        self.paths, self.backend = paths, backend
+        self.rows = {path: LocalRows.of(pp, backend.rank) for path, pp in paths.items() if shares_rows(pp)}
+        self.saved: list[tuple[nn.Module, str, Any]] = []
+
+    def enter(self, mod: nn.Module) -> None:
+        for path, pp in self.paths.items():
             owner, _, leaf = path.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
             p = sub._parameters[leaf]
-            saved.append((sub, leaf, p))
-            local = p.to_local() if isinstance(p, DTensor) else p
-            if pp.role is Role.GRAD_ALLREDUCE and isinstance(p, DTensor):
-                # the scope's GradSum (plan/build.py); once, where an enclosing module's
-                # swap has not made it local already
-                local = comm.all_reduce_grad(local, backend.group)
-            sub._parameters[leaf] = shared_rows(local, pp, rows.get(path), backend.group)
+            if not isinstance(p, DTensor):
+                continue
+            self.saved.append((sub, leaf, p))
+            local = p.to_local()
+            if pp.role is Role.GRAD_ALLREDUCE:
+                local = comm.all_reduce_grad(local, self.backend.group)
+            sub._parameters[leaf] = shared_rows(local, pp, self.rows.get(path), self.backend.group)
 
-    def post(mod: nn.Module, args: tuple, out: Any) -> None:
-        while saved:  # always_call: restored even when the forward raised
-            sub, leaf, p = saved.pop()
+    def exit(self) -> None:
+        while self.saved:
+            sub, leaf, p = self.saved.pop()
             sub._parameters[leaf] = p
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post, always_call=True)
+
+def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
+    """For ``module``'s whole forward, its descendants' parameters at ``paths`` are their
+    local tensors (the code reads them directly, outside the owner's forward; Mamba-2
+    reads its depthwise conv's weight whose B/C channels, one group for all heads, every
+    rank holds)."""
+    swap = _LocalSwap(paths, backend)
+    module.register_forward_pre_hook(lambda mod, args: swap.enter(mod))
+    # always_call: restored even when the forward raised
+    module.register_forward_hook(lambda mod, args, out: swap.exit(), always_call=True)
+
+
+def _feature_methods(module: nn.Module) -> list[str]:
+    """The encoders a model offers beside its forward (``get_image_features``,
+    ``get_video_features``, ``get_audio_features``)."""
+    return [n for n in dir(type(module)) if n.startswith("get_") and n.endswith("_features")
+            and callable(getattr(type(module), n, None))]
+
+
+def _localize_feature_methods(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
+    """``module``'s encoders (:func:`_feature_methods`) read its parameters at ``paths``
+    as its forward does: transformers' ``generate()`` encodes the images before the first
+    forward by calling the base model's ``get_image_features`` itself, where LLaVA-NeXT
+    reads its own ``image_newline``, a DTensor outside the forward's swap."""
+    for name in _feature_methods(module):
+        method = getattr(module, name)
+        swap = _LocalSwap(paths, backend)
+
+        @functools.wraps(method)
+        def local(*args: Any, _method: Any = method, _swap: _LocalSwap = swap, **kwargs: Any) -> Any:
+            _swap.enter(module)
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _swap.exit()
+
+        setattr(module, name, local)

@@ -579,6 +579,32 @@ def _shrink_flat(data: dict[str, Any], tp: int, layers: int) -> dict[str, Any]:
     return new
 
 
+def _keep_merged_patches(config: PreTrainedConfig, data: dict[str, Any]) -> None:
+    """A model that merges its vision tower's patches ``k x k`` into one text token
+    (Mistral 3's ``spatial_merge_size``) keeps ``_PATCHES_PER_SIDE`` merged tokens a side:
+    2x2 patches merged 2x2 left one token per image, which Mistral 3's projector
+    squeezes to a vector and cannot split by image."""
+    merge, vision = data.get("spatial_merge_size"), data.get("vision_config")
+    real = getattr(getattr(config, "vision_config", None), "image_size", None)
+    if not (isinstance(merge, int) and merge > 1 and isinstance(vision, dict) and isinstance(real, int)):
+        return
+    patch, image = vision.get("patch_size"), vision.get("image_size")
+    if isinstance(patch, int) and isinstance(image, int):
+        vision["image_size"] = max(image, min(real, patch * _PATCHES_PER_SIDE * merge))
+
+
+def _scale_pinpoints(config: PreTrainedConfig, data: dict[str, Any]) -> None:
+    """Tiling grids given in pixels of the real tower's image size (LLaVA-NeXT's and
+    LLaVA-OneVision's ``image_grid_pinpoints``, multiples of it) scaled to the shrunk
+    size, so an image tiles into as many views as on the real model, not hundreds."""
+    pinpoints, vision = data.get("image_grid_pinpoints"), data.get("vision_config")
+    real = getattr(getattr(config, "vision_config", None), "image_size", None)
+    small = vision.get("image_size") if isinstance(vision, dict) else None
+    if not (isinstance(pinpoints, list) and isinstance(real, int) and isinstance(small, int) and small < real):
+        return
+    data["image_grid_pinpoints"] = [[max(1, round(int(n) / real)) * small for n in point] for point in pinpoints]
+
+
 def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -> PreTrainedConfig:
     """A CPU-sized copy of ``config`` that the compiler splits over ``tp`` ranks the way
     it splits the real model.
@@ -627,6 +653,8 @@ def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -
         if isinstance(sub, PreTrainedConfig):
             data[key] = shrink_config(sub, tp, layers=layers).to_dict()
     data.update(_shrink_flat(data, tp, layers))
+    _keep_merged_patches(config, data)
+    _scale_pinpoints(config, data)
     _shrink_mrope(type(config), data)
     data["dtype"] = "float32"  # exact comparisons need float32 on CPU
     data.pop("transformers_version", None)
