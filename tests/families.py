@@ -37,7 +37,7 @@ __all__ = ["GENERATES", "build"]
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "diffllama", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr", "llava_next", "mistral3",
+             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr", "llava_next", "mistral3", "audioflamingo3",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
@@ -128,6 +128,14 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, head_dim=16, image_size=32, patch_size=8, **kw),
             image_token_index=3, spatial_merge_size=2, **kw)
+    if name == "audioflamingo3":  # a Whisper-style audio tower, pooled, its valid frames kept by a mask
+        return hf.AudioFlamingo3ForConditionalGeneration, hf.AudioFlamingo3Config(
+            audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+                              num_mel_bins=16, max_source_positions=16, **kw),
+            text_config=dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw),
+            audio_token_id=5, **kw)
     if name == "janus":  # its vision attention reshapes by num_heads with a -1 that absorbs a wrong count
         from tpcompile.tools.shrink import shrink_config
 

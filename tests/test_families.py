@@ -77,6 +77,9 @@ CASES_TP2 = [
     # ... and those whose vision side reads each image's size as a value (LLaVA-NeXT's
     # tiling, Pixtral's patch grid): image_sizes as a list, a constant of the trace
     ("llava_next", "sdpa"), ("mistral3", "eager"),
+    # an audio-language model: audio features fill the text's audio tokens, the frames a
+    # mask keeps selected by it (a count only data decides)
+    ("audioflamingo3", "sdpa"),
     # ... and where the vision side cannot split, the text alone is planned (it crashed
     # in the uncaptured tower's attention pooling at run time)
     ("gemma3_vlm_whole_vision", "sdpa"),
@@ -137,7 +140,7 @@ def _one(rank: int, world: int, name: str, attn: str | None, tmp: str) -> dict:
             torch.equal(sd[k], want[k]) for k in want)
     if name in GENERATES:
         kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-        if "pixel_values" in inputs:  # an image and its placeholders, then text
+        if "pixel_values" in inputs or "input_features" in inputs:  # an image or audio and its placeholders, then text
             prompt = example_inputs(ref, batch=2, seq=5, generator=torch.Generator().manual_seed(3))
         else:
             prompt = {"input_ids": torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(3))}
@@ -293,6 +296,24 @@ def test_a_vision_side_that_reads_image_sizes_is_captured_and_split() -> None:
     size = onevision.vision_config.image_size
     assert [384, 768] in hf.LlavaOnevisionConfig().image_grid_pinpoints
     assert [size, 2 * size] in onevision.image_grid_pinpoints
+
+
+def test_an_audio_language_model_gets_one_placeholder_per_audio_feature() -> None:
+    # 32 frames of 16 mels, halved by the tower's strided conv and again by its pooling:
+    # 8 features an example, kept by ``embeds[valid_mask]`` (a count only data decides,
+    # read at its bound: every frame valid, as the all-ones mask says)
+    model = build("audioflamingo3", "sdpa")
+    inputs = example_inputs(model, seq=7, generator=torch.Generator().manual_seed(0))
+    assert {k: tuple(v.shape) for k, v in inputs.items()} == {
+        "input_ids": (1, 8 + 7), "input_features": (1, 16, 32), "input_features_mask": (1, 32)}
+    assert int((inputs["input_ids"] == 5).sum()) == 8 and bool(inputs["input_features_mask"].all())
+    with torch.no_grad():
+        model(**inputs)
+    plan = tpcompile.plan_model(model, tp=2)
+    layer = "model.audio_tower.layers.0."
+    assert plan.params[layer + "fc1.weight"].role.value == "column"
+    assert plan.params[layer + "self_attn.out_proj.weight"].role.value == "row"
+    assert plan.params["model.multi_modal_projector.linear_2.weight"].role.value == "row"
 
 
 def test_a_vision_side_that_cannot_split_leaves_the_text_planned_alone() -> None:

@@ -11,25 +11,24 @@ SigLIP: one sub-config per modality, no placeholder token that splices one modal
 the other's sequence) needs every modality its forward takes, so each is built too.  A
 model this cannot serve gets a :class:`TPError` asking for ``example_inputs=``.
 
-A vision-language model (an image token in its config, ``get_image_features``) also
-gets ``pixel_values`` and one placeholder per image feature, so its vision side is
-captured.  :func:`text_only` marks a model whose image inputs could not be captured or
+A vision- or audio-language model (an image or audio token in its config, an encoder
+method) also gets its image or audio input and one placeholder per feature
+(:mod:`.splice`), so its towers are captured.  :func:`text_only` marks a model whose image inputs could not be captured or
 split: every later default batch of it is the text alone, so all traces agree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import TPError
+from .splice import spliced_inputs
 
 __all__ = ["example_inputs"]
 
@@ -129,7 +128,7 @@ def _main_input(name: str, config: Any, batch: int, seq: int, dtype: torch.dtype
 _MODALITY_INPUTS = ("input_ids", "pixel_values", "input_features", "input_values")
 _TOWER_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config")
 # a config naming one of these splices that modality into the text sequence (a VLM): its
-# forward takes pixels only together with matching placeholder tokens
+# forward takes pixels only together with matching placeholder tokens (:mod:`.splice`)
 _SPLICE_TOKENS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
                   "audio_token_id", "audio_token_index")
 
@@ -141,133 +140,6 @@ def _tower_inputs(config: Any, params: Any, main: str) -> list[str]:
     if sum(getattr(config, s, None) is not None for s in _TOWER_CONFIGS) < 2:
         return []
     return [n for n in _MODALITY_INPUTS if n != main and n in params]
-
-
-def _image_token(config: Any) -> int | None:
-    for name in ("image_token_id", "image_token_index"):
-        v = _find(config, name, sub=("text_config",))
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
-
-
-def _image_side(model: nn.Module) -> Any:
-    """The module with ``get_image_features``: the model, or the base model a head
-    wraps (Janus's ``JanusForConditionalGeneration.model``)."""
-    for holder in (model, getattr(model, "model", None)):
-        if holder is not None and hasattr(holder, "get_image_features"):
-            return holder
-    return None
-
-
-def _pixel_layouts(config: Any, pixels: torch.Tensor) -> list[torch.Tensor]:
-    """The layouts a vision side may take its pixels in: a batch of images; of one-image
-    lists (Idefics 3); of tile lists (LLaVA-NeXT, LLaVA-OneVision: a base view and the
-    tiles of its grid pinpoint, padded to the largest grid as their processors pad, each
-    image's own count sliced off by the model)."""
-    out = [pixels, pixels.unsqueeze(1)]
-    pinpoints = _find(config, "image_grid_pinpoints")
-    h, w = pixels.shape[-2:]
-    if isinstance(pinpoints, list | tuple) and pinpoints and h and w:
-        tiles = 1 + max(int(a) // h * (int(b) // w) for a, b in pinpoints)
-        out.append(pixels.unsqueeze(1).expand(-1, tiles, -1, -1, -1).contiguous())
-    return out
-
-
-def _size_inputs(side: Any, pixels: torch.Tensor) -> dict[str, Any]:
-    """The inputs besides pixels that ``side.get_image_features`` reads as values: each
-    image's ``image_sizes`` (LLaVA-NeXT picks its tiling by them, Pixtral cuts its patch
-    grid to them).  A Python list, as the capture needs: a tensor would make every count
-    derived from it a question only real data answers, while a list is a constant of the
-    trace.  The model takes either."""
-    try:
-        wanted = inspect.signature(side.get_image_features).parameters
-    except (TypeError, ValueError):
-        return {}
-    if "image_sizes" not in wanted:
-        return {}
-    h, w = (int(n) for n in pixels.shape[-2:])
-    return {"image_sizes": [[h, w] for _ in range(pixels.shape[0])]}
-
-
-@contextlib.contextmanager
-def _small_constants(limit: int = 64) -> Iterator[None]:
-    """Fake tensors made from Python data (``torch.as_tensor(image_sizes)``) keep their
-    values up to ``limit`` entries instead of one, so counts computed from them
-    (Mistral 3's tokens per image, ``.prod(-1).tolist()``) stay plain ints."""
-    from torch._subclasses import fake_tensor
-
-    before = fake_tensor.CONSTANT_NUMEL_LIMIT
-    fake_tensor.CONSTANT_NUMEL_LIMIT = max(before, limit)
-    try:
-        yield
-    finally:
-        fake_tensor.CONSTANT_NUMEL_LIMIT = before
-
-
-def _image_features(model: nn.Module, pixels: torch.Tensor) -> tuple[dict[str, Any], int] | None:
-    """``pixels`` as the vision side takes them (:func:`_pixel_layouts`) with the sizes it
-    reads (:func:`_size_inputs`), and how many values it splices into the text for them
-    (``get_image_features``' output, run on fake tensors: no compute, no memory).
-    ``None`` where pixels and sizes do not decide it (Qwen2-VL's patch grid is a tensor
-    the tower computes positions from: values a shapes-only run does not have)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.utils._pytree import tree_flatten
-
-    from .export import quiet_traces
-    from .fake import as_if_exporting, fake_copy
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    twin = _image_side(fake_copy(model, mode).eval())
-    for candidate in _pixel_layouts(_config(model), pixels):
-        sizes = _size_inputs(twin, pixels)
-        with mode:
-            fake = torch.zeros(candidate.shape, dtype=candidate.dtype)
-        try:
-            with quiet_traces(), mode, as_if_exporting(), torch.no_grad(), _small_constants():
-                out = twin.get_image_features(pixel_values=fake, **sizes, return_dict=True)
-        except Exception:  # noqa: BLE001 - not this layout, or more than pixels needed
-            continue
-        leaves = [t for t in tree_flatten(getattr(out, "pooler_output", out))[0] if isinstance(t, torch.Tensor)]
-        total = sum(t.numel() for t in leaves)
-        if leaves and isinstance(total, int):  # not a data-dependent count
-            return {"pixel_values": candidate, **sizes}, total
-    return None
-
-
-def _spliced_inputs(model: nn.Module, config: Any, params: Any, batch: int, seq: int, dtype: torch.dtype,
-                    device: Any, gen: torch.Generator | None) -> dict[str, torch.Tensor] | None:
-    """Pixels and token ids holding one placeholder per image feature, for a model that
-    splices its vision tower's output into the text (LLaVA, PaliGemma, Gemma 3), so the
-    capture sees the vision tower and the projector: without them they are never run and
-    stay whole.  ``None`` where the count cannot be read off the model (the tower needs
-    more inputs than pixels): the text alone is captured then."""
-    token = _image_token(config)
-    if token is None or _image_side(model) is None or "pixel_values" not in params:
-        return None
-    table = getattr(model.get_input_embeddings(), "weight", None)
-    if table is None or table.dim() != 2:
-        return None
-    rows, width = table.shape  # the table's rows, where the config's vocabulary differs
-    found = _image_features(model, _main_input("pixel_values", config, batch, seq, dtype, device, gen))
-    if found is None:
-        return None
-    images, total = found
-    if total % width or total // width % batch:
-        return None
-    n = total // width // batch
-    positions = _find(config, "max_position_embeddings", sub=("text_config",))
-    if isinstance(positions, int) and n + seq > positions and any(
-            isinstance(m, nn.Embedding) and positions <= m.num_embeddings <= positions + 2 for m in model.modules()):
-        return None  # more image features than a learned position table holds (BART's has 2 more rows)
-    ids = _token_ids(config, batch, n + seq, device, gen) % rows
-    specials = _special_ids(config)
-    safe = next(i for i in range(len(specials) + 1) if i not in specials)
-    for v in specials:  # text drawing a placeholder (or an image's indicator) would be one too many
-        ids[ids == v] = safe
-    ids[:, 1:1 + n] = token  # after one text token, as a chat template puts them
-    return {"input_ids": ids, **{k: v for k, v in images.items() if k in params}}
 
 
 def _special_ids(config: Any) -> set[int]:
@@ -336,8 +208,12 @@ def example_inputs(
         if name != "input_ids":
             raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
         return {next(iter(params), "input_ids"): _token_ids(config, batch, seq, device, generator)}
-    spliced = _spliced_inputs(model, config, params, batch, seq, dtype, device, generator) \
-        if name == "input_ids" and splice else None
+    spliced = spliced_inputs(
+        model, params, batch, seq,
+        main_input=lambda n: _main_input(n, config, batch, seq, dtype, device, generator),
+        token_ids=lambda n: _token_ids(config, batch, n, device, generator),
+        specials=_special_ids(config),
+    ) if name == "input_ids" and splice else None
     out = spliced or {name: _main_input(name, config, batch, seq, dtype, device, generator)}
     for other in _tower_inputs(config, params, name):
         try:
@@ -362,24 +238,29 @@ def _example_inputs(model: nn.Module, splice: bool = True) -> tuple[tuple, dict]
     return (), example_inputs(model, batch=_EXAMPLE_BATCH, seq=_EXAMPLE_SEQ, splice=splice)
 
 
-# Models whose image inputs the capture could not trace: every later default capture and
+# Models whose image or audio inputs the capture could not trace: every later default capture and
 # fake forward of them takes the text alone, so all agree on one graph
 _TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def text_only(model: nn.Module, err: Exception) -> bool:
-    """After a default capture or plan of ``model`` failed on image inputs spliced into
-    its text: whether the text alone can stand in for them.  If so the model is marked
-    (every later default capture and fake forward of it takes the text alone) and a
-    warning names what stays whole."""
-    if model in _TEXT_ONLY or set(_example_inputs(model)[1]) == set(_example_inputs(model, splice=False)[1]):
+    """After a default capture or plan of ``model`` failed on image or audio inputs
+    spliced into its text: whether the text alone can stand in for them.  If so the model
+    is marked (every later default capture and fake forward of it takes the text alone)
+    and a warning names what stays whole."""
+    if model in _TEXT_ONLY:
+        return False
+    extra = set(_example_inputs(model)[1]) - set(_example_inputs(model, splice=False)[1])
+    if not extra:
         return False
     _TEXT_ONLY.add(model)
+    kinds = [k for k, key in (("image", "pixel_values"), ("audio", "input_features")) if key in extra]
+    sides = " and ".join({"image": "vision", "audio": "audio"}[k] for k in kinds) or "other"
     warnings.warn(
-        f"tpcompile: {type(model).__name__} did not capture or split with its image inputs "
+        f"tpcompile: {type(model).__name__} did not capture or split with its {' and '.join(kinds)} inputs "
         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); planned the text alone, "
-        "so its vision side stays whole. Pass example_inputs= with pixel_values and their placeholder "
-        "tokens to split it.",
+        f"so its {sides} side stays whole. Pass example_inputs= with {', '.join(sorted(extra))} and their "
+        "placeholder tokens to split it.",
         stacklevel=3,
     )
     return True

@@ -127,6 +127,7 @@ class _LocalSwap:
 
     def __init__(self, paths: dict[str, ParamPlan], backend: Any) -> None:
         self.paths, self.backend = paths, backend
+        self.mesh = getattr(backend, "mesh", None)
         self.rows = {path: LocalRows.of(pp, backend.rank) for path, pp in paths.items() if shares_rows(pp)}
         self.saved: list[tuple[nn.Module, str, Any]] = []
 
@@ -135,8 +136,8 @@ class _LocalSwap:
             owner, _, leaf = path.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
             p = sub._parameters[leaf]
-            if not isinstance(p, DTensor):
-                continue
+            if not isinstance(p, DTensor) or self.mesh is not None and p.device_mesh != self.mesh:
+                continue  # local already, or FSDP2's shard outside its forward (its unshard is FSDP2's)
             self.saved.append((sub, leaf, p))
             local = p.to_local()
             if pp.role is Role.GRAD_ALLREDUCE:
