@@ -123,10 +123,13 @@ class _LocalSwap:
     """Parameters at ``paths`` (under the module given to :meth:`enter`) as their local
     tensors until :meth:`exit`: with the gradients of rows several ranks hold summed,
     and of padding rows zeroed, as in an owner's own forward, and a scope's GradSum
-    (plan/build.py) once.  A path another swap made local already is left alone."""
+    (plan/build.py) once, where an enclosing swap has not made it local already.
+    ``only_tp``: leave alone what is not a DTensor of the TP mesh (a method called
+    inside the forward finds it local already; outside, FSDP2's shard is FSDP2's to
+    unshard)."""
 
-    def __init__(self, paths: dict[str, ParamPlan], backend: Any) -> None:
-        self.paths, self.backend = paths, backend
+    def __init__(self, paths: dict[str, ParamPlan], backend: Any, *, only_tp: bool = False) -> None:
+        self.paths, self.backend, self.only_tp = paths, backend, only_tp
         self.mesh = getattr(backend, "mesh", None)
         self.rows = {path: LocalRows.of(pp, backend.rank) for path, pp in paths.items() if shares_rows(pp)}
         self.saved: list[tuple[nn.Module, str, Any]] = []
@@ -136,11 +139,12 @@ class _LocalSwap:
             owner, _, leaf = path.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
             p = sub._parameters[leaf]
-            if not isinstance(p, DTensor) or self.mesh is not None and p.device_mesh != self.mesh:
-                continue  # local already, or FSDP2's shard outside its forward (its unshard is FSDP2's)
+            tp = isinstance(p, DTensor) and (self.mesh is None or p.device_mesh == self.mesh)
+            if self.only_tp and not tp:
+                continue
             self.saved.append((sub, leaf, p))
-            local = p.to_local()
-            if pp.role is Role.GRAD_ALLREDUCE:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if pp.role is Role.GRAD_ALLREDUCE and isinstance(p, DTensor):
                 local = comm.all_reduce_grad(local, self.backend.group)
             sub._parameters[leaf] = shared_rows(local, pp, self.rows.get(path), self.backend.group)
 
@@ -175,7 +179,7 @@ def _localize_feature_methods(module: nn.Module, paths: dict[str, ParamPlan], ba
     reads its own ``image_newline``, a DTensor outside the forward's swap."""
     for name in _feature_methods(module):
         method = getattr(module, name)
-        swap = _LocalSwap(paths, backend)
+        swap = _LocalSwap(paths, backend, only_tp=True)
 
         @functools.wraps(method)
         def local(*args: Any, _method: Any = method, _swap: _LocalSwap = swap, **kwargs: Any) -> Any:
