@@ -80,6 +80,24 @@ def _param_through(an: Analysis, node: torch.fx.Node, args: list[torch.fx.Node])
     return ParamRef(ref.fqn, dims)
 
 
+_BROADCASTS = (aten.expand.default, aten.expand_as.default, aten.broadcast_to.default)
+
+
+def _distinct_shape(an: Analysis, a: torch.fx.Node) -> tuple[int, ...]:
+    """The dims along which ``a`` holds distinct values: an activation without features
+    broadcast by ``expand`` (XLM's ``mask.view(bs, 1, 1, -1).expand_as(scores)``) is the
+    same along every dim the broadcast widened, so where it meets split features there
+    it needs no slice, as the mask before the expand would not (the expanded size follows
+    the local scores at run time; a hard-coded one is the self-check's to catch)."""
+    shape = tuple(an.shape(a))
+    while (isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in _BROADCASTS
+           and an.val(a) is None and isinstance(a.args[0], torch.fx.Node)):
+        a = a.args[0]
+        src = tuple(an.shape(a))
+        shape = (1,) * (len(shape) - len(src)) + src
+    return shape
+
+
 def pointwise(an: Analysis, node: torch.fx.Node) -> object:
     """Generic elementwise rule (with broadcasting)."""
     args = _tensor_args(node)
@@ -101,6 +119,8 @@ def pointwise(an: Analysis, node: torch.fx.Node) -> object:
             continue  # a constant: the same on every rank, no gradient
         if isinstance(v, ParamRef) and v.is_buffer and int(np.prod(shape)) <= 1:
             continue  # a scalar buffer: nothing to slice, no gradient
+        if not isinstance(v, ParamRef):
+            shape = _distinct_shape(an, a)
         aligned = (1,) * (nd - len(shape)) + tuple(shape)
         operand = v if isinstance(v, ParamRef) else a
         an.aligned.append(Aligned(node, operand, out, aligned, a in an.tainted))

@@ -80,6 +80,9 @@ CASES_TP2 = [
     # an audio-language model: audio features fill the text's audio tokens, the frames a
     # mask keeps selected by it (a count only data decides)
     ("audioflamingo3", "sdpa"),
+    # a featureless mask broadcast to the scores' shape by ``expand_as``: the same along
+    # every head, so it needs no slice where it meets split heads (it tied them all)
+    ("xlm", None),
     # ... and where the vision side cannot split, the text alone is planned (it crashed
     # in the uncaptured tower's attention pooling at run time)
     ("gemma3_vlm_whole_vision", "sdpa"),
@@ -346,6 +349,10 @@ def test_plans_read_the_structure() -> None:
     assert diff.params[attn + "q_proj.weight"].role.value == "column"
     assert {diff.params[attn + n].role.value for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")} == {
         "replicated_grad_allreduce"}
+    # XLM's mask, expanded to the scores' shape, is the same along the heads: no tie
+    xlm = tpcompile.plan_model(build("xlm", meta=True), tp=2)
+    attn = "transformer.attentions.0."
+    assert [xlm.params[attn + n].role.value for n in ("q_lin.weight", "out_lin.weight")] == ["column", "row"]
     t5 = tpcompile.plan_model(build("t5", meta=True), tp=2)
     bias = t5.params["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
     assert (bias.role.value, bias.shard_dim, bias.local_shape) == ("column", 1, [32, 2])
