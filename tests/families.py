@@ -37,7 +37,7 @@ __all__ = ["GENERATES", "build"]
 GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "diffllama", "apertus", "bart", "qwen3_next", "dbrx", "mamba2",
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
-             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr", "llava_next", "mistral3", "audioflamingo3", "xlm",
+             "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr", "llava_next", "mistral3", "audioflamingo3", "xlm", "git",
              "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
@@ -140,6 +140,12 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.XLMWithLMHeadModel, hf.XLMConfig(
             emb_dim=64, n_heads=4, n_layers=2, vocab_size=256, max_position_embeddings=64,
             pad_index=0, bos_index=1, eos_index=2, **kw)
+    if name == "git":  # image features prepended to the text (no placeholder): an optional pixel_values
+        return hf.GitForCausalLM, hf.GitConfig(
+            vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               image_size=32, patch_size=8),
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     if name == "janus":  # its vision attention reshapes by num_heads with a -1 that absorbs a wrong count
         from tpcompile.tools.shrink import shrink_config
 

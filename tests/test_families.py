@@ -83,6 +83,8 @@ CASES_TP2 = [
     # a featureless mask broadcast to the scores' shape by ``expand_as``: the same along
     # every head, so it needs no slice where it meets split heads (it tied them all)
     ("xlm", None),
+    # image features prepended to the text, no placeholder: pixels built beside the ids
+    ("git", None),
     # ... and where the vision side cannot split, the text alone is planned (it crashed
     # in the uncaptured tower's attention pooling at run time)
     ("gemma3_vlm_whole_vision", "sdpa"),
@@ -246,6 +248,13 @@ def test_example_inputs_come_from_the_model() -> None:
     assert shapes["vit"] == {"pixel_values": (1, 3, 32, 32)}
     assert shapes["mamba"] == {"input_ids": (1, 7)}
     assert shapes["clip"] == {"input_ids": (1, 7), "pixel_values": (1, 3, 32, 32)}  # both towers
+    # GIT prepends its image features to the text: its optional pixels are built too,
+    # where a fake forward takes them (so its vision tower is captured and split)
+    git = build("git", meta=True)
+    assert {k: tuple(v.shape) for k, v in example_inputs(git).items()} == {
+        "input_ids": (1, 7), "pixel_values": (1, 3, 32, 32)}
+    assert tpcompile.plan_model(git, tp=2).params[
+        "git.image_encoder.vision_model.encoder.layers.0.mlp.fc1.weight"].role.value == "column"
     # a spectrogram of the frame count its position table was built for, not raw audio
     with torch.device("meta"):
         ast = hf.ASTModel(hf.ASTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,

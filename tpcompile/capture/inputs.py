@@ -142,6 +142,31 @@ def _tower_inputs(config: Any, params: Any, main: str) -> list[str]:
     return [n for n in _MODALITY_INPUTS if n != main and n in params]
 
 
+def _prefixes_images(config: Any, params: Any) -> bool:
+    """A text model with one vision tower and an optional ``pixel_values`` that no
+    placeholder token splices (GIT prepends its image features to the text): its pixels
+    are built too, so the tower is captured; where it cannot be, :func:`text_only` plans
+    the text alone."""
+    holders = (config, getattr(config, "text_config", None))
+    return ("pixel_values" in params and getattr(config, "vision_config", None) is not None
+            and sum(getattr(config, s, None) is not None for s in _TOWER_CONFIGS) < 2
+            and not any(getattr(h, t, None) is not None for h in holders if h is not None for t in _SPLICE_TOKENS))
+
+
+def _prefix_images(model: nn.Module, config: Any, text: dict[str, Any],
+                   pixels: Any) -> dict[str, torch.Tensor]:
+    """``pixel_values`` beside ``text`` where one fake forward of the model takes them
+    (GIT's batch of images; Idefics' image lists need masks too, and get none)."""
+    from .fake import shape_trace
+
+    try:
+        images = {"pixel_values": pixels()}
+        shape_trace(model, {**text, **images})
+    except Exception:  # noqa: BLE001 - not this layout, or more than pixels needed
+        return {}
+    return images
+
+
 def _special_ids(config: Any) -> set[int]:
     """Every token id the config names (placeholders, indicators, bos / eos / pad)."""
     out: set[int] = set()
@@ -215,6 +240,9 @@ def example_inputs(
         specials=_special_ids(config),
     ) if name == "input_ids" and splice else None
     out = spliced or {name: _main_input(name, config, batch, seq, dtype, device, generator)}
+    if spliced is None and splice and name == "input_ids" and _prefixes_images(config, params):
+        out.update(_prefix_images(model, config, out, lambda: _main_input(
+            "pixel_values", config, batch, seq, dtype, device, generator)))
     for other in _tower_inputs(config, params, name):
         try:
             out[other] = _main_input(other, config, batch, seq, dtype, device, generator)
