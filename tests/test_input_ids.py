@@ -244,3 +244,16 @@ def test_ids_outside_the_vocabulary_are_refused_under_sp_and_peft(world2: CaseRe
         for name in ("sp", "lora"):
             text = r["errors"][name]
             assert text is not None and "token id 300" in text and "position [1, 3]" in text, (name, text)
+
+
+def test_sizes_given_as_lists_are_guarded_too() -> None:
+    # LLaVA-NeXT's image_sizes as a list picks each image's tiling: ranks given different
+    # sizes compute differently, so the guards compare its numbers (and tensors in lists)
+    from tpcompile.runtime.markers import guarded_inputs, input_checksum
+
+    ids = torch.tensor([[5, 6, 7]])
+    mine = guarded_inputs([ids, [[32, 32], [32, 64]], (torch.ones(2),), None, True])
+    assert [tuple(t.shape) for t in mine] == [(1, 3), (2,), (4,)]
+    other = guarded_inputs([ids, [[32, 32], [64, 32]], (torch.ones(2),), None, True])
+    assert not torch.equal(input_checksum(mine[-1]), input_checksum(other[-1]))
+    assert torch.equal(input_checksum(mine[0]), input_checksum(other[0]))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
 
 from ..errors import TPError
 
@@ -152,8 +153,19 @@ def guarded_inputs(values: Iterable[Any]) -> list[torch.Tensor]:
     """The non-empty tensors among ``values`` that the input guards compare: ids, labels
     and masks, and floating inputs too (``pixel_values``, ``input_features``,
     ``inputs_embeds``): a vision or audio model's ranks given different images would
-    otherwise compute a mix of each rank's shards silently."""
-    return [t for t in values if isinstance(t, torch.Tensor) and t.numel()]
+    otherwise compute a mix of each rank's shards silently.  Tensors inside a list or
+    tuple count too, and so do the numbers of one (LLaVA-NeXT's ``image_sizes`` given as
+    a list picks each image's tiling)."""
+    out: list[torch.Tensor] = []
+    numbers: list[list[float]] = []
+    for v in values:
+        leaves = tree_flatten(v)[0] if isinstance(v, list | tuple) else [v]
+        out += [t for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
+        found = [float(x) for x in leaves if isinstance(x, int | float) and not isinstance(x, bool)]
+        if found and isinstance(v, list | tuple):
+            numbers.append(found)
+    device = out[0].device if out else torch.device("cpu")  # one device for the checksums' stack
+    return out + [torch.tensor(n, dtype=torch.float64, device=device) for n in numbers]
 
 
 def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:
