@@ -42,6 +42,16 @@ GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "diffllama", "apertus", "bart
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
 
+def _llava_towers(kw: dict) -> dict:
+    """A Llama text side and a CLIP vision side (32 px, 8 px patches) for LLaVA-style configs."""
+    return dict(
+        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8, **kw))
+
+
 def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
     kw = {} if attn is None else {"attn_implementation": attn}
     if name == "phi3":  # GQA: num_key_value_heads 2 -> 1 while num_key_value_groups stays 2
@@ -97,13 +107,7 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
                                num_attention_heads=4, image_size=32, patch_size=8, **kw),
             projection_dim=32, **kw)
     if name == "llava":  # a vision tower and projector whose features fill the text's image tokens
-        return hf.LlavaForConditionalGeneration, hf.LlavaConfig(
-            text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw),
-            vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8, **kw),
-            image_token_index=3, **kw)
+        return hf.LlavaForConditionalGeneration, hf.LlavaConfig(**_llava_towers(kw), image_token_index=3, **kw)
     if name in ("gemma3_vlm", "gemma3_vlm_whole_vision"):  # SigLIP tower, features pooled to 4 tokens per image, sliding text layers
         return hf.Gemma3ForConditionalGeneration, hf.Gemma3Config(
             text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -114,12 +118,7 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             mm_tokens_per_image=4, image_token_index=3, boi_token_index=4, eoi_token_index=5, **kw)
     if name == "llava_next":  # tiles a base view and a pinpoint grid per image, chosen by image_sizes
         return hf.LlavaNextForConditionalGeneration, hf.LlavaNextConfig(
-            text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw),
-            vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8, **kw),
-            image_token_index=3, image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], **kw)
+            **_llava_towers(kw), image_token_index=3, image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], **kw)
     if name == "mistral3":  # Pixtral cuts its patch grid to image_sizes; 2x2 patches merge into one token
         return hf.Mistral3ForConditionalGeneration, hf.Mistral3Config(
             text_config=dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
