@@ -59,6 +59,7 @@ MODALITIES = (
 
 
 def _placeholder(config: Any, m: Modality) -> int | None:
+    """The id of ``m``'s placeholder token, on the config or its text config."""
     for holder in (config, getattr(config, "text_config", None)):
         for key in m.tokens:
             v = getattr(holder, key, None) if holder is not None else None
@@ -77,6 +78,7 @@ def encoder_side(model: nn.Module, method: str = "get_image_features") -> Any:
 
 
 def _required(side: Any, method: str) -> dict[str, inspect.Parameter]:
+    """The parameters of ``side.method`` that have no default."""
     try:
         params = inspect.signature(getattr(side, method)).parameters
     except (TypeError, ValueError):
@@ -86,6 +88,8 @@ def _required(side: Any, method: str) -> dict[str, inspect.Parameter]:
 
 
 def _pixel_layouts(config: Any, pixels: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``pixels`` as a batch of images, of one-image lists, and of tile lists as long as
+    the largest grid pinpoint's tiles plus the base view."""
     yield pixels
     yield pixels.unsqueeze(1)
     pinpoints = getattr(config, "image_grid_pinpoints", None)
