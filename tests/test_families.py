@@ -229,13 +229,26 @@ def _fsdp(rank: int, world: int, names: list) -> dict:
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         out[name] = [(global_step(model, opt, ids), global_step(ref, opt_ref, ids)) for ids in batches]
+    # transformers' generate() of a multimodal model encodes the images before the first
+    # forward (the base model's get_image_features), past FSDP2's root hooks: the root's
+    # patch embedding and projector, and LLaVA-NeXT's own image_newline, were sharded there
+    ref = build("llava_next", "sdpa")
+    model = copy.deepcopy(ref)
+    tpcompile.parallelize(model, tp=2, dp_shard=2)
+    prompt = example_inputs(ref, batch=2, seq=5, generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out["generate_llava_next"] = model.generate(**prompt, **kw).tolist() == ref.generate(**prompt, **kw).tolist()
     return out
 
 
 @pytest.mark.slow
 def test_state_space_mla_and_straddling_heads_train_under_fsdp2_times_tp() -> None:
+    """State-space, MLA and straddling-head models train under FSDP2 x TP as one process
+    does, and a vision-language model generates as one does."""
     names = ["deepseek_v3", "mamba", "mamba2", "mamba2_one_group", "gpt_oss", "llama_straddle"]
     for per_model in run_distributed(_fsdp, 4, names, timeout=900):
+        assert per_model.pop("generate_llava_next") is True
         for name, steps in per_model.items():
             for got, want in steps:
                 assert abs(got - want) <= 1e-4 * abs(want), (name, steps)

@@ -22,7 +22,7 @@ from .grad_norm import register_copies
 from .rows import LocalRows, shared_rows, shares_rows
 from .state_dict import install_state_dict_hooks
 
-__all__ = ["apply_plan", "install_root_hooks"]
+__all__ = ["apply_plan", "feature_methods", "install_root_hooks"]
 
 
 def _owner(fqn: str) -> tuple[str, str]:
@@ -92,10 +92,10 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
         prefix = f"{mname}." if mname else ""
         _install_scoped_swap(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
     for mname in dict.fromkeys([*swaps, *scoped]):
-        if _feature_methods(mods[mname]):
+        if feature_methods(mods[mname]):
             prefix = f"{mname}." if mname else ""
             paths = [*swaps.get(mname, []), *scoped.get(mname, [])]
-            _localize_feature_methods(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
+            _localizefeature_methods(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
     for mname, mp in plan.modules.items():
         if mp.attr_fixups:
             apply_fixups(mods[mname], mp.attr_fixups)
@@ -165,19 +165,20 @@ def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend
     module.register_forward_hook(lambda mod, args, out: swap.exit(), always_call=True)
 
 
-def _feature_methods(module: nn.Module) -> list[str]:
-    """The encoders a model offers beside its forward (``get_image_features``,
+def feature_methods(module: nn.Module) -> list[str]:
+    """The encoders a model offers beside its forward, which transformers' ``generate()``
+    calls itself (``get_image_features``,
     ``get_video_features``, ``get_audio_features``)."""
     return [n for n in dir(type(module)) if n.startswith("get_") and n.endswith("_features")
             and callable(getattr(type(module), n, None))]
 
 
-def _localize_feature_methods(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
+def _localizefeature_methods(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
     """``module``'s encoders (:func:`_feature_methods`) read its parameters at ``paths``
     as its forward does: transformers' ``generate()`` encodes the images before the first
     forward by calling the base model's ``get_image_features`` itself, where LLaVA-NeXT
     reads its own ``image_newline``, a DTensor outside the forward's swap."""
-    for name in _feature_methods(module):
+    for name in feature_methods(module):
         method = getattr(module, name)
         swap = _LocalSwap(paths, backend, only_tp=True)
 

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from ..config import ParallelConfig
 from .adapters import is_peft_model
+from .apply import feature_methods
 from .mesh import ParallelDims
 
 __all__ = ["fully_shard_model", "shard_added_modules"]
@@ -118,11 +119,14 @@ def _dp_sharded(p: nn.Parameter) -> bool:
 def _generate_through_root(root: nn.Module) -> None:
     """A ``PeftModel``'s ``generate`` calls the model it wraps directly, past its own
     ``forward`` and so past FSDP2's root hooks: the blocks gather their own parameters,
-    but the root's (embeddings, final norm, head) would stay sharded DTensors.  Its
-    ``generate`` gathers them first (the root initialised as at a first forward, so a
-    ``generate`` before any forward leaves the blocks units of this root) and frees them
-    after."""
-    if not is_peft_model(root) or not hasattr(root, "generate"):
+    but the root's (embeddings, final norm, head) would stay sharded DTensors.  So does
+    transformers' ``generate`` of a multimodal model, which encodes the images before the
+    first forward by calling the base model's ``get_image_features`` (the patch
+    embedding and the projector are the root's).  Their ``generate`` gathers the root's
+    parameters first (the root initialised as at a first forward, so a ``generate``
+    before any forward leaves the blocks units of this root) and frees them after."""
+    if not hasattr(root, "generate") or not (
+            is_peft_model(root) or any(feature_methods(m) for m in root.modules())):
         return
     generate = root.generate
 
