@@ -222,3 +222,16 @@ def test_staged_vision_models_and_multimodal_rotary_run() -> None:
     vision = shrink_config(AutoConfig.for_model("qwen2_5_vl"), 2).vision_config
     assert (vision.depth, vision.fullatt_block_indexes) == (2, [1])
     assert shrink_config(AutoConfig.for_model("qwen3_vl"), 2).vision_config.deepstack_visual_indexes == [1]
+
+
+def test_a_towers_output_width_follows_the_shrunk_text_width() -> None:
+    # vision_config.out_hidden_size (or text_hidden_size) sizes the tower's output for the
+    # text model and must equal its width: the shrunk copy failed its own validation
+    from transformers import CONFIG_MAPPING
+
+    for kind, field in (("granite_docling", "out_hidden_size"), ("llava_onevision1_5", "out_hidden_size"),
+                        ("inkling2", "text_hidden_size")):
+        real = CONFIG_MAPPING[kind]()
+        assert getattr(real.vision_config, field) == real.text_config.hidden_size, kind
+        small = shrink_config(real, 2)
+        assert getattr(small.vision_config, field) == small.text_config.hidden_size < real.text_config.hidden_size

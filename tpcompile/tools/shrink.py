@@ -605,6 +605,26 @@ def _scale_pinpoints(config: PreTrainedConfig, data: dict[str, Any]) -> None:
     data["image_grid_pinpoints"] = [[max(1, round(int(n) / real)) * small for n in point] for point in pinpoints]
 
 
+def _follow_text_width(config: PreTrainedConfig, data: dict[str, Any]) -> None:
+    """A tower's fields that size its output for the text model (Granite-Docling's and
+    LLaVA-OneVision-1.5's ``vision_config.out_hidden_size``, Inkling 2's
+    ``text_hidden_size``), equal to the text's width in the real config, follow the shrunk
+    text width: the config's own validation refuses them otherwise.  The tower's own width
+    (``hidden_size``, tied to its heads) is left alone."""
+    text = data.get("text_config")
+    real = getattr(getattr(config, "text_config", None), "hidden_size", None)
+    width = text.get("hidden_size") if isinstance(text, dict) else None
+    if not (isinstance(real, int) and isinstance(width, int)) or real == width:
+        return
+    for key in _SUB_CONFIGS:
+        sub, orig = data.get(key), getattr(config, key, None)
+        if key == "text_config" or not isinstance(sub, dict) or not isinstance(orig, PreTrainedConfig):
+            continue
+        for field, value in orig.to_dict().items():
+            if value == real and field not in _HIDDEN_KEYS and ("hidden" in field or field.startswith("text_")):
+                sub[field] = width
+
+
 def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -> PreTrainedConfig:
     """A CPU-sized copy of ``config`` that the compiler splits over ``tp`` ranks the way
     it splits the real model.
@@ -631,7 +651,8 @@ def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -
       :func:`size_for_tp`: the smallest value above a small target (128 / 32 / 32 / 256)
       with the real remainder modulo ``tp``.  ``head_dim`` becomes ``min(real, 16)``;
       the hidden size is heads x head_dim where the family ties them (or the real model
-      has them equal), else 64-ish.  Fields equal to the hidden size follow it.
+      has them equal), else 64-ish.  Fields equal to the hidden size follow it, and a
+      tower's fields sized for the text (``out_hidden_size``) follow the text's width.
     * **Experts**: top-k ``<= min(2, experts)``; group-limited routing keeps groups that
       divide the experts.
     * **Vocabulary**: special token ids beyond the small vocabulary are folded into it
@@ -655,6 +676,7 @@ def shrink_config(config: PreTrainedConfig, tp: int, *, layers: int = _LAYERS) -
     data.update(_shrink_flat(data, tp, layers))
     _keep_merged_patches(config, data)
     _scale_pinpoints(config, data)
+    _follow_text_width(config, data)
     _shrink_mrope(type(config), data)
     data["dtype"] = "float32"  # exact comparisons need float32 on CPU
     data.pop("transformers_version", None)
