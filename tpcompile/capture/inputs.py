@@ -13,8 +13,9 @@ model this cannot serve gets a :class:`TPError` asking for ``example_inputs=``.
 
 A vision- or audio-language model (an image or audio token in its config, an encoder
 method) also gets its image or audio input and one placeholder per feature
-(:mod:`.splice`), so its towers are captured.  :func:`text_only` marks a model whose image inputs could not be captured or
-split: every later default batch of it is the text alone, so all traces agree.
+(:mod:`.splice`), so its towers are captured.  :func:`text_only` marks a model whose
+image or audio inputs could not be captured or split: every later default batch of it is
+the text alone, so all traces agree.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -142,42 +144,26 @@ def _tower_inputs(config: Any, params: Any, main: str) -> list[str]:
     return [n for n in _MODALITY_INPUTS if n != main and n in params]
 
 
-def _prefixes_images(config: Any, params: Any) -> bool:
-    """A text model with one vision tower and an optional ``pixel_values`` that no
-    placeholder token splices (GIT prepends its image features to the text): its pixels
-    are built too, so the tower is captured; where it cannot be, :func:`text_only` plans
-    the text alone."""
-    holders = (config, getattr(config, "text_config", None))
-    return ("pixel_values" in params and getattr(config, "vision_config", None) is not None
-            and sum(getattr(config, s, None) is not None for s in _TOWER_CONFIGS) < 2
-            and not any(getattr(h, t, None) is not None for h in holders if h is not None for t in _SPLICE_TOKENS))
-
-
-def _prefix_images(model: nn.Module, config: Any, text: dict[str, Any],
-                   pixels: Any) -> dict[str, torch.Tensor]:
-    """``pixel_values`` beside ``text`` where one fake forward of the model takes them
-    (GIT's batch of images; Idefics' image lists need masks too, and get none)."""
+def _prefix_images(model: nn.Module, config: Any, params: Any, text: dict[str, Any],
+                   pixels: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``pixel_values`` beside ``text`` for a text model with one vision tower and an
+    optional ``pixel_values`` that no placeholder token splices (GIT prepends its image
+    features to the text), where one fake forward of the model takes them (GIT's batch of
+    images; Idefics' image lists need masks too, and get none): the tower is captured
+    then too; where it cannot be, :func:`text_only` plans the text alone."""
     from .fake import shape_trace
 
+    holders = [h for h in (config, getattr(config, "text_config", None)) if h is not None]
+    if ("pixel_values" not in params or getattr(config, "vision_config", None) is None
+            or sum(getattr(config, s, None) is not None for s in _TOWER_CONFIGS) > 1
+            or any(getattr(h, t, None) is not None for h in holders for t in _SPLICE_TOKENS)):
+        return {}
     try:
         images = {"pixel_values": pixels()}
         shape_trace(model, {**text, **images})
     except Exception:  # noqa: BLE001 - not this layout, or more than pixels needed
         return {}
     return images
-
-
-def _special_ids(config: Any) -> set[int]:
-    """Every token id the config names (placeholders, indicators, bos / eos / pad)."""
-    out: set[int] = set()
-    for holder in (config, getattr(config, "text_config", None)):
-        for key, v in (vars(holder).items() if holder is not None else ()):
-            if not key.endswith(("token_id", "token_index", "token_ids")):
-                continue
-            for i in v if isinstance(v, list | tuple) else [v]:
-                if isinstance(i, int) and not isinstance(i, bool):
-                    out.add(i)
-    return out
 
 
 def _prod(values: Any) -> int:
@@ -237,11 +223,10 @@ def example_inputs(
         model, params, batch, seq,
         main_input=lambda n: _main_input(n, config, batch, seq, dtype, device, generator),
         token_ids=lambda n: _token_ids(config, batch, n, device, generator),
-        specials=_special_ids(config),
     ) if name == "input_ids" and splice else None
     out = spliced or {name: _main_input(name, config, batch, seq, dtype, device, generator)}
-    if spliced is None and splice and name == "input_ids" and _prefixes_images(config, params):
-        out.update(_prefix_images(model, config, out, lambda: _main_input(
+    if spliced is None and splice and name == "input_ids":
+        out.update(_prefix_images(model, config, params, out, lambda: _main_input(
             "pixel_values", config, batch, seq, dtype, device, generator)))
     for other in _tower_inputs(config, params, name):
         try:

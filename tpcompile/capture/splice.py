@@ -68,23 +68,13 @@ def _placeholder(config: Any, m: Modality) -> int | None:
     return None
 
 
-def encoder_side(model: nn.Module, method: str = "get_image_features") -> Any:
+def encoder_side(model: nn.Module, method: str) -> Any:
     """The module offering ``method``: the model, or the base model a head wraps
     (Janus's ``JanusForConditionalGeneration.model``)."""
     for holder in (model, getattr(model, "model", None)):
         if holder is not None and hasattr(holder, method):
             return holder
     return None
-
-
-def _required(side: Any, method: str) -> dict[str, inspect.Parameter]:
-    """The parameters of ``side.method`` that have no default."""
-    try:
-        params = inspect.signature(getattr(side, method)).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {n: p for n, p in params.items()
-            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def _pixel_layouts(config: Any, pixels: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -102,7 +92,8 @@ def _pixel_layouts(config: Any, pixels: torch.Tensor) -> Iterator[torch.Tensor]:
 def _candidates(m: Modality, config: Any, side: Any, main: torch.Tensor) -> Iterator[dict[str, Any]]:
     """Each way to hand ``main`` to ``side``'s encoder, with what else it reads."""
     params = inspect.signature(getattr(side, m.encoder)).parameters
-    needed = set(_required(side, m.encoder)) - {m.main}
+    needed = {n for n, p in params.items() if n != m.main and p.default is inspect.Parameter.empty
+              and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     if m.main == "pixel_values":
         # each image's size where the encoder asks for it; where it only may (LLaVA's
         # optional ``image_sizes`` switches to Pixtral's patch cutting), first without
@@ -186,15 +177,27 @@ def _features(model: nn.Module, m: Modality, main: torch.Tensor) -> tuple[dict[s
     return None
 
 
+def _special_ids(config: Any) -> set[int]:
+    """Every token id the config names (placeholders, indicators, bos / eos / pad)."""
+    out: set[int] = set()
+    for holder in (config, getattr(config, "text_config", None)):
+        for key, v in (vars(holder).items() if holder is not None else ()):
+            if not key.endswith(("token_id", "token_index", "token_ids")):
+                continue
+            for i in v if isinstance(v, list | tuple) else [v]:
+                if isinstance(i, int) and not isinstance(i, bool):
+                    out.add(i)
+    return out
+
+
 def spliced_inputs(model: nn.Module, params: Any, batch: int, seq: int,
                    main_input: Callable[[str], torch.Tensor],
-                   token_ids: Callable[[int], torch.Tensor],
-                   specials: set[int]) -> dict[str, Any] | None:
+                   token_ids: Callable[[int], torch.Tensor]) -> dict[str, Any] | None:
     """Token ids with one placeholder per feature of every modality the model splices
     (after one text token, as a chat template puts them), and those modalities' inputs;
     ``None`` where no modality's count can be read off the model: the text is captured
     alone then.  ``main_input(name)`` builds a modality's main input, ``token_ids(n)``
-    random text of ``n`` tokens, and ``specials`` are the ids text must not draw."""
+    random text of ``n`` tokens."""
     config = model.config
     present = [(m, token) for m in MODALITIES if (token := _placeholder(config, m)) is not None
                and m.main in params and encoder_side(model, m.encoder) is not None]
@@ -223,6 +226,7 @@ def spliced_inputs(model: nn.Module, params: Any, batch: int, seq: int,
             for mod in model.modules()):
         return None  # more features than a learned position table holds (BART's has 2 more rows)
     ids = token_ids(n + seq) % rows
+    specials = _special_ids(config)
     safe = next(i for i in range(len(specials) + 1) if i not in specials)
     for v in specials:  # text drawing a placeholder (or an indicator) would be one too many
         ids[ids == v] = safe

@@ -159,11 +159,14 @@ def guarded_inputs(values: Iterable[Any]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     numbers: list[list[float]] = []
     for v in values:
-        leaves = tree_flatten(v)[0] if isinstance(v, list | tuple) else [v]
-        out += [t for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
-        found = [float(x) for x in leaves if isinstance(x, int | float) and not isinstance(x, bool)]
-        if found and isinstance(v, list | tuple):
-            numbers.append(found)
+        if isinstance(v, list | tuple):
+            leaves = tree_flatten(v)[0]
+            out += [t for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
+            found = [float(x) for x in leaves if isinstance(x, int | float) and not isinstance(x, bool)]
+            if found:
+                numbers.append(found)
+        elif isinstance(v, torch.Tensor) and v.numel():
+            out.append(v)
     device = out[0].device if out else torch.device("cpu")  # one device for the checksums' stack
     return out + [torch.tensor(n, dtype=torch.float64, device=device) for n in numbers]
 
