@@ -56,6 +56,8 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
             return v
         an.reduce_partials(node)
         return None
+    if isinstance(v, ParamRef):
+        return _reduce_param(an, node, v, packet)
     if not isinstance(v, Feat):
         return None
     atoms = an.aligned_to(v.atoms, nd)
@@ -67,10 +69,7 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
         an.union_along(atoms, [dim % nd])
         out = an.feat(np.take(atoms, [0], axis=dim % nd)) if atoms.shape[dim % nd] > 1 else Feat(atoms)
         return [out, out] if packet is not aten.cumsum else out
-    dims_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if packet in (aten.norm, aten.linalg_vector_norm, aten.linalg_norm):
-        dims_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-    dims = _dims(dims_arg, nd)
+    dims = _reduced_dims(node, packet, nd)
     if packet in STAT_OPS and node not in an.whole_stats and _over_every_feature(atoms, dims):
         an.stat_uses.append(StatUse(node, atoms, tuple(dims)))
         return None  # a whole value once the partial sums are all-reduced
@@ -86,6 +85,33 @@ def reduction(an: Analysis, node: torch.fx.Node) -> object:
         f = an.feat(reduced)
         return [f, f]
     return an.feat(reduced)
+
+
+def _reduced_dims(node: torch.fx.Node, packet: object, nd: int) -> list[int]:
+    dims_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if packet in (aten.norm, aten.linalg_vector_norm, aten.linalg_norm):
+        dims_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    return _dims(dims_arg, nd)
+
+
+def _reduce_param(an: Analysis, node: torch.fx.Node, ref: ParamRef, packet: object) -> object:
+    """A reduction of a parameter itself (PEFT DeLoRA's ``delora_B.norm(dim=0)``): the
+    parameter dims it reduces must stay whole (a rank's slice would give a partial
+    norm); the dims it keeps are the parameter's, entry for entry, and may be sliced
+    like it (:func:`.pointwise._param_through`)."""
+    nd = an.ndim(node.args[0])
+    if packet in (aten.topk, aten.sort, aten.cumsum) or not isinstance(an.meta(node), torch.Tensor):
+        an.read_raw(node, ref, range(nd))  # values moved along the dim, or several results
+        return None
+    dims = _reduced_dims(node, packet, nd)
+    an.read_raw(node, ref, dims)
+    kept = [d for d in range(nd) if d not in dims]
+    if an.ndim(node) == nd:  # keepdim
+        return ParamRef(ref.fqn, tuple(None if d in dims else ref.dims[d] for d in range(nd)), ref.is_buffer)
+    if an.ndim(node) != len(kept):
+        an.read_raw(node, ref, range(nd))
+        return None
+    return ParamRef(ref.fqn, tuple(ref.dims[d] for d in kept), ref.is_buffer)
 
 
 def _over_every_feature(atoms: np.ndarray, dims: list[int]) -> bool:

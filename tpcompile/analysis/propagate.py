@@ -31,10 +31,12 @@ from .state import (
     ParamRef,
     Partial,
     Poison,
+    RawRead,
     ReducePoint,
     RowAddend,
     RowUse,
     StatUse,
+    SubDim,
 )
 from .tokens import TokenRule
 
@@ -225,6 +227,13 @@ def _differentiable(meta: Any) -> bool:
     return False
 
 
+def _holds_nothing(value: Any) -> bool:
+    """A rule's result carries no features, partial sums or parameters."""
+    if isinstance(value, list | tuple):
+        return all(_holds_nothing(v) for v in value)
+    return value is None
+
+
 def _op_name(target: Any) -> str:
     return str(getattr(target, "__name__", target))
 
@@ -262,6 +271,7 @@ class Analysis:
         # buffers an op updates in place in training (BatchNorm's running statistics)
         self.updated_buffers: set[str] = set()
         self.poison: list[Poison] = []
+        self.raw_reads: list[RawRead] = []
         self.reduce_points: list[ReducePoint] = []
         self.row_addends: list[RowAddend] = []
         self.outputs: list[np.ndarray] = []
@@ -305,7 +315,10 @@ class Analysis:
     def _call(self, node: fx.Node) -> Any:
         r = self.rules.find(node.target)
         if r is not None:
+            uses = self._use_count()
             value = r.fn(self, node)
+            if _holds_nothing(value) and self._use_count() == uses:
+                self._read_raw(node)
             if isinstance(value, Feat) and not _fits(value.atoms, self.shape(node)):
                 # a rule's bug (a user rule's too) must not place features at the wrong
                 # positions: the region stays whole, or strict names the rule
@@ -317,6 +330,7 @@ class Analysis:
             if _writes_through_view(node):
                 self.write_through(node, node.args[0], value)
             return value
+        self._read_raw(node)
         vals = [self.value.get(a) for a in node.all_input_nodes]
         if any(isinstance(v, Feat | Partial) for v in vals):
             reason = (
@@ -326,6 +340,27 @@ class Analysis:
             self.poison_node(node, reason, *vals, unknown_op=True)
             self.reduce_partials(node)
         return None
+
+    def _use_count(self) -> int:
+        return len(self.columns) + len(self.rows) + len(self.embeddings) + len(self.aligned) + len(self.row_addends)
+
+    def _read_raw(self, node: fx.Node) -> None:
+        """``node`` computes a value taken as the same on every rank from parameters it
+        got whole (no rule recorded a use of them that slices them): every dim they
+        still carry is mixed (a weight times a mask, an FFT of a spectrum)."""
+        if not isinstance(self.meta(node), torch.Tensor | list | tuple):
+            return  # a size or a flag: no entries read
+        for arg in dict.fromkeys(node.all_input_nodes):
+            ref = self.value.get(arg)
+            if isinstance(ref, ParamRef):
+                self.read_raw(node, ref, list(range(len(ref.dims))))
+
+    def read_raw(self, node: fx.Node, ref: ParamRef, dims: Sequence[int]) -> None:
+        """``node`` mixes the entries of ``ref`` along its tensor dims ``dims``: the
+        parameter dims behind them must not be split (:class:`RawRead`)."""
+        real = {d.dim if isinstance(d, SubDim) else d for d in (ref.dims[i] for i in dims) if d is not None}
+        if real:
+            self.raw_reads.append(RawRead(node, ref.fqn, frozenset(real)))
 
     def _output(self, node: fx.Node) -> None:
         for arg in node.all_input_nodes:

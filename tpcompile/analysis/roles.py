@@ -32,6 +32,7 @@ from .heads import gathered_heads, heads_off_the_last_dim, readers_of_gathered_h
 from .lookup_tail import tail_mixes, tail_params
 from .partition import BlockLayout, Partition, partition
 from .propagate import Analysis, RuleSet, innermost_module, module_path
+from .reads import split_raw_reads
 from .reentry import Reentry, find_params_only, find_reentry
 from .state import Feat, ParamRef
 from .stats import STAT_OPS, SplitStat, find_split_stats
@@ -530,6 +531,12 @@ def _attempt(graph: fx.Graph, rules: RuleSet, tp: int, param_of_placeholder: dic
         seen = len(notes)
         aligned = _aligned_checks(a, entry_paths, gathered) - forced
         _because(why, aligned, "; ".join(notes[seen:]) or "a whole value would need a slice of split features")
+        for reason, atoms in split_raw_reads(an, a.layouts):
+            blocks = _region_blocks(part, an, atoms) - forced
+            if blocks and not _split_by_stat(a, atoms):
+                notes.append(reason)
+                _because(why, blocks, reason)
+                aligned |= blocks
         new = aligned | reduced
         if not new and not a.retie:
             seen = len(notes)

@@ -30,6 +30,7 @@ __all__ = [
     "ParamRef",
     "Partial",
     "Poison",
+    "RawRead",
     "RowAddend",
     "ReducePoint",
     "RowUse",
@@ -127,6 +128,20 @@ class RowAddend:
     node: fx.Node
     fqn: str
     rows: tuple[int, ...]
+
+
+@dataclass
+class RawRead:
+    """A parameter's entries mixed by an op whose result the analysis takes as the same on
+    every rank: a norm of the weight itself (PEFT DeLoRA's ``delora_B.norm(dim=0)``), a
+    weight built from it and a mask.  ``dims``: the parameter dims the op mixes (a
+    reduction's reduced dims; every dim for an op without a rule for parameters).  Split
+    along one of them, each rank would compute it from its own slice: the parameter's
+    region stays whole (:func:`~tpcompile.analysis.roles.analyze`)."""
+
+    node: fx.Node
+    fqn: str
+    dims: frozenset[int]
 
 
 @dataclass
