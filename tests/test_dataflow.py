@@ -413,6 +413,50 @@ def test_blocks_called_differently_are_traced_apart() -> None:
     assert capture(model).stacks.members == {"s": [0, 1, 0, 1]}
 
 
+class NormScaled(nn.Module):
+    """PEFT DeLoRA's scaling: the projection's output times a norm of its own weight,
+    over the split output features (``over_split``: a partial norm on each rank, unless
+    the weight stays whole) or per output feature (split with them)."""
+
+    def __init__(self, over_split: bool) -> None:
+        super().__init__()
+        self.over_split = over_split
+        self.up = nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
+        self.down = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.over_split:
+            return x * self.up.weight.norm(dim=0) + self.down(F.silu(h))
+        return x + self.down(F.silu(h * self.up.weight.norm(dim=1)))
+
+
+class NormScaledStack(BlockStack):
+    def __init__(self, over_split: bool = True) -> None:
+        super().__init__([NormScaled(over_split), NormScaled(over_split)])
+
+
+class NormPerFeatureStack(NormScaledStack):
+    def __init__(self) -> None:
+        super().__init__(over_split=False)
+
+
+def test_a_weight_reduced_over_its_split_dim_stays_whole() -> None:
+    with torch.device("meta"):
+        whole, split = NormScaledStack(), NormPerFeatureStack()
+    plan = tpcompile.plan_model(whole, tp=2)
+    # each rank's rows would give a partial norm taken as whole: nothing shows in a shape
+    assert plan.params["s.0.up.weight"].shard_dim is None
+    assert "reads s.0.up.weight whole along dim 0" in plan.params["s.0.up.weight"].whole_because
+    # a norm per output feature is split with those features
+    assert tpcompile.plan_model(split, tp=2).params["s.0.up.weight"].role is Role.COLUMN
+
+
+def test_a_weight_reduced_by_its_own_module_is_exact(world2: CaseResults) -> None:
+    assert_exact(world2, "norm_scaled")
+    assert_exact(world2, "norm_per_feature")
+
+
 @pytest.fixture(scope="module")
 def world2() -> CaseResults:
     """This module's multi-process cases, in one launch."""
@@ -421,7 +465,8 @@ def world2() -> CaseResults:
                          "upsampled": (_blorp, Upsampled), "pyramid": (_blorp, Pyramid),
                          "deformable": (_blorp, Deformable), "size_readers": (_blorp, SizeReaders),
                          "shifted": (_blorp, Shifted), "gated": (_blorp, GatedStack),
-                         "selected": (_blorp, SelectedStack), "head_biased": (_blorp, HeadBiasedStack)})
+                         "selected": (_blorp, SelectedStack), "head_biased": (_blorp, HeadBiasedStack),
+                         "norm_scaled": (_blorp, NormScaledStack), "norm_per_feature": (_blorp, NormPerFeatureStack)})
 
 
 def assert_exact(results: CaseResults, case: str) -> None:
