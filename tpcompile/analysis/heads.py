@@ -27,6 +27,7 @@ import numpy as np
 import torch.fx as fx
 
 from .propagate import module_path
+from .state import Feat
 
 __all__ = ["after_heads", "gathered_heads", "heads_off_the_last_dim", "readers_of_gathered_heads"]
 
@@ -40,8 +41,28 @@ def gathered_heads(a: Any, outputs: np.ndarray) -> list[Any]:
     """The split column uses whose output features reach ``outputs`` (the heads: the
     runtime gathers them; every other split column is a plain column)."""
     out_atoms = set(np.unique(outputs[outputs >= 0]).tolist()) if outputs.size else set()
+    out_units = _labels(a.part, outputs) if outputs.size else set()
+    columns = {c.node for c in a.an.columns}
     return [c for c in a.an.columns if out_atoms and (lay := a.layouts.get(c.fqn)) is not None
-            and lay.dim == c.out_dim and int(c.atoms[0]) in out_atoms]
+            and lay.dim == c.out_dim and (int(c.atoms[0]) in out_atoms or (
+                int(a.part.label[c.atoms[0]]) in out_units and _reaches_output(a.an, c.node, columns)))]
+
+
+def _reaches_output(an: Any, node: fx.Node, columns: set[fx.Node]) -> bool:
+    """Do ``node``'s split features flow to the graph's output, op by op, without another
+    contraction?  Two columns added into the logits (a LoRA ``lora_B`` beside its
+    ``base_layer``) reach them tied, through the atoms of only one of them."""
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if u not in seen and u not in columns and isinstance(an.value.get(u), Feat):
+                seen.add(u)
+                frontier.append(u)
+    return False
 
 
 def heads_off_the_last_dim(a: Any, heads: list[Any]) -> dict[str, str]:
