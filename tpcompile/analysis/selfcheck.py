@@ -98,7 +98,24 @@ def _shadow(model: nn.Module, shapes: dict[int, list[int]]) -> nn.Module:
                                    requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
+    for m in model.modules():  # tensors a module holds as plain attributes (PEFT OSF's SVD
+        for t in _plain_tensors(vars(m)):  # factors; cached tables): no data either
+            if id(t) not in memo:
+                memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def _plain_tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """Tensors in ``obj``'s values, lists and dicts (not in its submodules or hooks)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth and isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in ("_modules", "_parameters", "_buffers") and not str(k).endswith("hooks"):
+                yield from _plain_tensors(v, depth - 1)
+    elif depth and isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _plain_tensors(v, depth - 1)
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import itertools
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -90,23 +91,35 @@ def _patch_injection(utils: Any) -> None:
         return
 
     def inject_adapter(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        watched = "_tpcompile_watch" in model.__dict__
         try:
             with held():
+                before = {id(t) for t in itertools.chain(model.parameters(), model.buffers())} if watched else set()
                 out = inject(self, model, *args, **kwargs)
+                # no error does not mean no such computation: a factorization of the
+                # sharded weight (PEFT OSF's SVD) runs on the DTensor, leaving DTensors
+                made = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+                        if watched and id(t) not in before and isinstance(t, DTensor)]
         except RuntimeError as err:
-            if "_tpcompile_watch" not in model.__dict__ or "mixed torch.Tensor and DTensor" not in str(err):
+            if not watched or "mixed torch.Tensor and DTensor" not in str(err):
                 raise
-            raise TPError(
-                f"PEFT computes with the sharded weights of the transformed model while it creates this "
-                f"adapter ({type(self).__name__}: {err}), as DoRA's magnitude vector and trainable tokens' rows "
-                "of the embedding do. Add this adapter "
-                "before tpcompile.transform (get_peft_model(model, config) first, then transform the PeftModel; "
-                "strict=False keeps the modules it adapts replicated)") from err
+            raise _computed_from_shards(self, str(err)) from err
+        if made:
+            raise _computed_from_shards(self, f"it made {', '.join(made[:3])} from them")
         settle(model)
         return out
 
     inject_adapter._tpcompile_original = inject
     tuner.inject_adapter = inject_adapter
+
+
+def _computed_from_shards(tuner: Any, what: str) -> TPError:
+    return TPError(
+        f"PEFT computes with the sharded weights of the transformed model while it creates this "
+        f"adapter ({type(tuner).__name__}: {what}), as DoRA's magnitude vector, trainable tokens' rows "
+        "of the embedding and OSF's factorization of each weight do. Add this adapter "
+        "before tpcompile.transform (get_peft_model(model, config) first, then transform the PeftModel; "
+        "strict=False keeps the modules it adapts replicated)")
 
 
 def _patch_sizing(utils: Any) -> None:
