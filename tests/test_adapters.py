@@ -13,8 +13,8 @@ adapters' random initialisation must match too):
 * a hand-written adapter module is planned the same way; one that would re-split the
   module under it, or one added after ``parallelize`` with activation checkpointing, is
   refused naming it;
-* other kinds: IA3 and LoRA on the embedding exact in both orders, ``modules_to_save``
-  exact when added first, DoRA refused naming why;
+* other kinds: IA3, LoRA on the embedding and on the LM head exact in both orders,
+  ``modules_to_save`` and DeLoRA exact when added first, DoRA refused naming why;
 * saving: adapter files (PEFT's format, HF shapes, rank 0) that plain PEFT loads onto an
   untransformed base; ``PeftModel.from_pretrained(transformed_base, dir)``;
   ``merge_and_unload`` (the merged TP model) and its ``save_pretrained`` loaded by plain
@@ -163,6 +163,11 @@ KINDS = {  # other adapter kinds: planned exactly, or refused with a TPError
     "prefix": ("PrefixTuningConfig", {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}),
     # a constant built from a tensor in its forward, which export cannot trace
     "hra": ("HRAConfig", {"r": 4, "target_modules": ["q_proj"]}),
+    # its update scaled by norms of its own delora_B, which follows the heads: a rank's
+    # rows would give a partial norm (a silent difference); its creation reads the weights
+    "delora": ("DeloraConfig", {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}),
+    # LoRA on the vocabulary-split head: lora_B's logits are gathered like the base's
+    "lora_lm_head": ("LoraConfig", {"r": 4, "target_modules": ["lm_head", "q_proj"]}),
 }
 UNPLANNED = ("prefix", "hra")  # refused before or while tracing: nothing to plan ahead
 
@@ -476,7 +481,7 @@ def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
     for r in world2["kinds"]:
         for case in ("ia3_after", "ia3_before", "lora_embedding_after", "lora_embedding_before",
                      "modules_to_save_before", "vera_before", "prompt_before", "prompt_after", "adalora_before",
-                     "miss_before", "vblora_before"):
+                     "miss_before", "vblora_before", "delora_before", "lora_lm_head_before", "lora_lm_head_after"):
             assert r[case][0] == "exact" and r[case][1] < TOL, (case, r[case])  # outputs and gradients
         # VeRA's projections, shared by q (64 rows) and v (32), cannot follow q's heads onto
         # their ranks: the adapted model keeps the attention whole, which transform had split
@@ -496,6 +501,9 @@ def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
         # DoRA's magnitude reads the sharded base weight: refused in both orders, naming why
         assert r["dora_after"][0] == "refused" and "DoRA" in r["dora_after"][1], r
         assert r["dora_before"][0] == "refused" and "lora_magnitude_vector" in r["dora_before"][1], r
+        # DeLoRA's weight norms are computed from the DTensors without an error: found by
+        # what the injection made, refused all the same
+        assert r["delora_after"][0] == "refused" and "delora_w_norm" in r["delora_after"][1], r
 
 
 @pytest.mark.slow

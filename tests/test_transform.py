@@ -18,6 +18,7 @@ from dist import CaseResults, plan_ahead, run_cases
 from torch.distributed.tensor import DTensor
 
 import tpcompile
+from tpcompile import TPError
 from tpcompile.tools.presets import tiny_config
 
 TOL = 1e-5
@@ -119,7 +120,7 @@ def _cases(world: int) -> dict[str, tuple]:
         cases.update({"generate": (_generate,), "loss_parallel": (_loss_parallel,),
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
-                      "outside_read": (_outside_read,), "gathered_head": (_gathered_head,),
+                      "outside_read": (_outside_read,), "gathered_head": (_gathered_head,), "grad_hooks": (_grad_hooks,),
                       "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
@@ -307,6 +308,37 @@ def test_a_parameter_read_outside_its_module_is_whole_and_local_there(world2: Ca
         # whole (a read of one row would see another rank's rows), local for the whole
         # forward of the module whose code reads it (here the root)
         assert (got["table"], got["scope"], got["mlp"]) == ("replicated", "", "column")
+
+
+def _grad_hooks(rank: int, world: int) -> dict:
+    """Gradient hooks registered before transform (a mask on a norm weight's gradient,
+    PEFT OSF's projections) run on the transformed parameter as on the plain one; on a
+    split parameter they are refused, naming it (deepcopy drops tensor hooks: each model
+    registers its own)."""
+    def hooked(on: str) -> torch.nn.Module:
+        m = _build("llama", {})
+        mask = (torch.arange(m.config.hidden_size) % 3 != 0).float()
+        m.get_parameter(on).register_hook(lambda g: g * mask)
+        return m
+
+    ref, model = hooked("model.norm.weight"), hooked("model.norm.weight")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref(ids, labels=ids).loss.backward()
+    tpcompile.transform(model, tp=world)
+    model(ids, labels=ids).loss.backward()
+    try:
+        tpcompile.transform(hooked("model.layers.0.mlp.down_proj.weight"), tp=world)
+        refused = ""
+    except TPError as err:
+        refused = str(err)
+    return {"grads": grad_errors(model, ref, world), "masked": ref.model.norm.weight.grad[::3].abs().max().item(),
+            "refused": refused}
+
+
+def test_gradient_hooks_run_on_the_transformed_parameters(world2: CaseResults) -> None:
+    for got in world2["grad_hooks"]:
+        assert max(got["grads"].values()) < TOL and got["masked"] == 0.0, got
+        assert "down_proj.weight has gradient hooks" in got["refused"], got["refused"]
 
 
 class _HeadRead(torch.nn.Module):

@@ -50,6 +50,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
             with torch.no_grad():
                 local = old.detach() if pp.shard_dim is None else backend.local_shard(old.detach(), pp)
             new = backend.make_param(local, pp, old.requires_grad)
+            _carry_grad_hooks(old, new, pp)
             done[id(old)] = new
         names = [name, *pp.tied_to]
         # the names under the module whose whole forward sees the local tensor (code outside
@@ -110,6 +111,44 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
         install_root_hooks(model, backend)
     model.tpcompile_plan = plan
     return model
+
+
+def _carry_grad_hooks(old: nn.Parameter, new: nn.Parameter, pp: ParamPlan) -> None:
+    """Gradient hooks registered on the parameter before ``transform`` (``p.register_hook``:
+    PEFT OSF's projections, a mask freezing embedding rows) run on its replacement, as
+    the plain tensors they were written for: a whole parameter's hook gets the local
+    tensor of its replicated gradient, complete (summed where partial) by then.  A split
+    parameter's would see its rows only: refused, naming it, never dropped."""
+    hooks = list((old._backward_hooks or {}).values())
+    later = list((getattr(old, "_post_accumulate_grad_hooks", None) or {}).values())
+    if not hooks and not later:
+        return
+    if not isinstance(new, DTensor):  # nothing split: the hooks run as they are
+        for h in hooks:
+            new.register_hook(h)
+        for h in later:
+            new.register_post_accumulate_grad_hook(h)
+        return
+    if later or pp.shard_dim is not None:
+        from ..errors import TPError
+
+        what = "split over the TP ranks" if pp.shard_dim is not None else "a replicated DTensor"
+        raise TPError(
+            f"{pp.fqn} has {'post-accumulate-' if later else ''}gradient hooks (register_hook) and the plan "
+            f"makes it {what}: the hooks would see a different gradient than they were written for. Register "
+            f"them after transform on the parameter's local tensor, or keep it whole with "
+            f"overrides={{{pp.fqn!r}: 'replicated'}}")
+    for h in hooks:
+        new.register_hook(functools.partial(_on_local_grad, h))
+
+
+def _on_local_grad(hook: Any, grad: torch.Tensor) -> torch.Tensor | None:
+    if not isinstance(grad, DTensor):
+        return hook(grad)
+    out = hook(grad.to_local())
+    if out is None:
+        return None
+    return DTensor.from_local(out, grad.device_mesh, grad.placements, run_check=False)
 
 
 def install_root_hooks(model: nn.Module, backend: Any) -> None:
