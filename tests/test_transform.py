@@ -331,14 +331,20 @@ def _grad_hooks(rank: int, world: int) -> dict:
         refused = ""
     except TPError as err:
         refused = str(err)
+    try:  # FSDP2 swaps every parameter for its shard: the hooks would not run
+        tpcompile.parallelize(hooked("model.norm.weight"), dp_shard=world)
+        fsdp = ""
+    except TPError as err:
+        fsdp = str(err)
     return {"grads": grad_errors(model, ref, world), "masked": ref.model.norm.weight.grad[::3].abs().max().item(),
-            "refused": refused}
+            "refused": refused, "fsdp": fsdp}
 
 
 def test_gradient_hooks_run_on_the_transformed_parameters(world2: CaseResults) -> None:
     for got in world2["grad_hooks"]:
         assert max(got["grads"].values()) < TOL and got["masked"] == 0.0, got
         assert "down_proj.weight has gradient hooks" in got["refused"], got["refused"]
+        assert "model.norm.weight has gradient hooks" in got["fsdp"] and "FSDP2" in got["fsdp"], got["fsdp"]
 
 
 class _HeadRead(torch.nn.Module):

@@ -45,7 +45,22 @@ def shard_added_modules(model: nn.Module, modules: list[nn.Module], cfg: Paralle
                       "units by then: add adapters right after tpcompile.parallelize, before training")
     kwargs = _shard_kwargs(cfg, mesh, device)
     for module in modules:
+        _refuse_gradient_hooks(module)
         fully_shard(module, **kwargs)
+
+
+def _refuse_gradient_hooks(module: nn.Module) -> None:
+    """FSDP2 replaces every parameter with its shard: hooks registered on the parameter
+    (``register_hook``: PEFT OSF's gradient projection) would silently not run."""
+    hooked = [n for n, p in module.named_parameters()
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        from ..errors import TPError
+
+        raise TPError(f"{', '.join(hooked[:3])} {'has' if len(hooked) == 1 else 'have'} gradient hooks "
+                      "(register_hook): FSDP2 replaces every parameter with its shard, and the hooks would not "
+                      "run. Register them on the parallelized model's parameters (they see gradient shards), "
+                      "or pass dp_shard=1")
 
 
 def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, mesh: DeviceMesh,
@@ -64,6 +79,7 @@ def fully_shard_model(model: nn.Module, blocks: list[str], cfg: ParallelConfig, 
     schedules (zero bubble, ZBV, DualPipeV) need it — their weight-gradient pass looks the
     stage's parameters up after the input-gradient pass, and a unit resharded in between
     hands it the sharded tensors the graph never used (measured: those gradients lost)."""
+    _refuse_gradient_hooks(model)
     kwargs = _shard_kwargs(cfg, mesh, device)
     if roots is not None:
         kwargs["reshard_after_forward"] = False
