@@ -121,6 +121,7 @@ def _cases(world: int) -> dict[str, tuple]:
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
                       "outside_read": (_outside_read,), "gathered_head": (_gathered_head,), "grad_hooks": (_grad_hooks,),
+                      "attention_maps": (_attention_maps,),
                       "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
@@ -338,6 +339,34 @@ def _grad_hooks(rank: int, world: int) -> dict:
         fsdp = str(err)
     return {"grads": grad_errors(model, ref, world), "masked": ref.model.norm.weight.grad[::3].abs().max().item(),
             "refused": refused, "fsdp": fsdp}
+
+
+def _attention_maps(rank: int, world: int) -> dict:
+    """``output_attentions=True``: eager attention returns one map per head, each rank
+    its own heads (it returned them silently, shaped [B, heads/tp, S, S]): refused; sdpa
+    returns none, so the forward runs as asked."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    for attn in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        cfg = tiny_config("llama")
+        cfg._attn_implementation = attn
+        ref = AutoModelForCausalLM.from_config(cfg).eval()
+        model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+        try:
+            got = model(ids, output_attentions=True).logits
+            out[attn] = (got - ref(ids, output_attentions=True).logits).abs().max().item()
+        except TPError as err:
+            out[attn] = str(err)
+    return out
+
+
+def test_attention_maps_of_split_heads_are_refused(world2: CaseResults) -> None:
+    for got in world2["attention_maps"]:
+        assert got["eager"].startswith("output_attentions=True"), got
+        assert got["sdpa"] < TOL, got
 
 
 def test_gradient_hooks_run_on_the_transformed_parameters(world2: CaseResults) -> None:

@@ -72,6 +72,7 @@ def mark_model(model: nn.Module) -> None:
             config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=rep)
     if tp > 1 and not hasattr(model, "_tpcompile_input_guard"):
         model._tpcompile_input_guard = model.register_forward_pre_hook(_InputGuard(), with_kwargs=True)
+        model.register_forward_hook(_refuse_split_attentions, with_kwargs=True)
         _guard_generate(model)
 
 
@@ -129,6 +130,26 @@ class _InputGuard:
                 "Trainer; do not remove it); with accelerate use "
                 "tpcompile.integrations.prepare(accelerator, model, ...); in your own loop give each rank the "
                 "slice tpcompile.data_parallel_rank(model) names")
+
+
+def _refuse_split_attentions(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """Forward hook: attention probabilities in the output (``output_attentions=True`` with
+    eager attention) hold one map per head, and each tensor-parallel rank computes its
+    own heads only: every rank would return a part of them, shaped by its local head
+    count.  Refused while the plan splits anything (sdpa returns none: nothing to refuse)."""
+    keys = getattr(output, "keys", None)
+    if callable(keys):
+        found = any(tree_flatten(output[k])[0] for k in keys() if k.endswith("attentions"))
+    else:  # a plain tuple (return_dict=False): where the maps sit is the model's business
+        found = bool(kwargs.get("output_attentions", getattr(getattr(model, "config", None), "output_attentions",
+                                                             False)))
+    plan = getattr(model, "tpcompile_plan", None)
+    if found and plan is not None and any(pp.shard_dim is not None for pp in plan.params.values()):
+        raise TPError(
+            "output_attentions=True: the attention probabilities are returned per head, and each tensor-parallel "
+            "rank computes only its own heads, so every rank would return a part of them. Run without "
+            "output_attentions (and config.output_attentions=False), keep the attention whole with "
+            "overrides={'re:.*attn.*': 'replicated'} when transforming, or inspect attention maps in a plain model")
 
 
 class GuardWindow:
