@@ -121,7 +121,7 @@ def _cases(world: int) -> dict[str, tuple]:
                       "backward_all_reduces": (_backward_all_reduces,), "foreach": (_foreach_step,),
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
                       "outside_read": (_outside_read,), "gathered_head": (_gathered_head,), "grad_hooks": (_grad_hooks,),
-                      "attention_maps": (_attention_maps,),
+                      "attention_maps": (_attention_maps,), "sampling": (_sampling,),
                       "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
@@ -363,10 +363,32 @@ def _attention_maps(rank: int, world: int) -> dict:
     return out
 
 
+def _sampling(rank: int, world: int) -> dict:
+    """``generate(do_sample=True)`` with each rank seeded apart (a loader's per-rank seed):
+    every rank samples what one process seeded as the first rank samples, and keeps its
+    own generator afterwards (they drew different tokens and decoded a mix of shards)."""
+    ref = _build("llama", {})
+    model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    model.generate(ids, max_new_tokens=2, pad_token_id=0)  # spend the input guard's first forwards
+    torch.manual_seed(100)
+    want = ref.generate(ids, do_sample=True, max_new_tokens=8, pad_token_id=0)
+    torch.manual_seed(100 + rank)
+    got = model.generate(ids, do_sample=True, max_new_tokens=8, pad_token_id=0)
+    after = torch.rand(1).item()
+    torch.manual_seed(100 + rank)
+    return {"equal": torch.equal(got, want), "own_rng": rank == 0 or after == torch.rand(1).item()}
+
+
 def test_attention_maps_of_split_heads_are_refused(world2: CaseResults) -> None:
     for got in world2["attention_maps"]:
         assert got["eager"].startswith("output_attentions=True"), got
         assert got["sdpa"] < TOL, got
+
+
+def test_sampling_draws_the_first_ranks_tokens_on_every_rank(world2: CaseResults) -> None:
+    for got in world2["sampling"]:
+        assert got == {"equal": True, "own_rng": True}, got
 
 
 def test_gradient_hooks_run_on_the_transformed_parameters(world2: CaseResults) -> None:

@@ -15,8 +15,9 @@ different prompts per rank generate garbage).
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -102,7 +103,33 @@ def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 "rank of a TP group must generate from the same inputs (give the TP ranks one prompt batch, e.g. "
                 "the slice tpcompile.data_parallel_rank(model) names)")
     inner = self.__dict__.get("_tpcompile_inner_generate")
-    return inner(*args, **kwargs) if inner is not None else type(self).generate(self, *args, **kwargs)
+    with _rng_of_first_rank(_tp_group(self) if dist.is_initialized() else None):
+        return inner(*args, **kwargs) if inner is not None else type(self).generate(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _rng_of_first_rank(group: Any) -> Iterator[None]:
+    """Sampling (``do_sample=True``) draws from the random generator of the TP group's
+    first rank on every rank, as one process would sample once: ranks seeded apart (a
+    loader's per-rank seed) drew different tokens, fed the next step different inputs and
+    decoded a mix of shards.  Each rank's own generator state is restored afterwards."""
+    if group is None or dist.get_world_size(group) == 1:
+        yield
+        return
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    own = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
+    states = list(own)
+    dist.broadcast_object_list(states, group_src=0, group=group)
+    torch.set_rng_state(states[0])
+    if cuda:
+        torch.cuda.set_rng_state(states[1])
+    try:
+        yield
+    finally:
+        if dist.get_rank(group) != 0:
+            torch.set_rng_state(own[0])
+            if cuda:
+                torch.cuda.set_rng_state(own[1])
 
 
 class _InputGuard:
