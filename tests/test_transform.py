@@ -122,6 +122,7 @@ def _cases(world: int) -> dict[str, tuple]:
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
                       "outside_read": (_outside_read,), "gathered_head": (_gathered_head,), "grad_hooks": (_grad_hooks,),
                       "attention_maps": (_attention_maps,), "sampling": (_sampling,),
+                      "dropout_rng": (_dropout_rng,),
                       "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
@@ -378,6 +379,35 @@ def _sampling(rank: int, world: int) -> dict:
     after = torch.rand(1).item()
     torch.manual_seed(100 + rank)
     return {"equal": torch.equal(got, want), "own_rng": rank == 0 or after == torch.rand(1).item()}
+
+
+def _dropout_rng(rank: int, world: int) -> dict:
+    """Training with dropout (GPT-2's residual, embedding and attention dropout at 0.1),
+    the ranks seeded apart: each rank's copy of the residual stream is the same, and the
+    step is the one of ranks seeded alike (the residual masks differed per rank, and the
+    all-reduces summed parts of different computations)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config("gpt2")).train()
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for how, seed in (("alike", 5), ("apart", 5 + rank)):
+        model = tpcompile.transform(copy.deepcopy(ref), tp=world)
+        torch.manual_seed(seed)
+        for _ in range(3):  # past the input guard's first forwards
+            step = model(ids, labels=ids, output_hidden_states=True)
+        hidden = step.hidden_states[-2].detach()
+        copies = [torch.zeros_like(hidden) for _ in range(world)]
+        dist.all_gather(copies, hidden)
+        out[how] = (max((c - hidden).abs().max().item() for c in copies), step.loss.item())
+    return {"spread": out["apart"][0], "loss": abs(out["apart"][1] - out["alike"][1])}
+
+
+def test_dropout_draws_one_mask_per_tp_group(world2: CaseResults) -> None:
+    for got in world2["dropout_rng"]:
+        assert got == {"spread": 0.0, "loss": 0.0}, got
 
 
 def test_attention_maps_of_split_heads_are_refused(world2: CaseResults) -> None:

@@ -73,6 +73,7 @@ def mark_model(model: nn.Module) -> None:
             config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=rep)
     if tp > 1 and not hasattr(model, "_tpcompile_input_guard"):
         model._tpcompile_input_guard = model.register_forward_pre_hook(_InputGuard(), with_kwargs=True)
+        model.register_forward_pre_hook(_SharedDropout())
         model.register_forward_hook(_refuse_split_attentions, with_kwargs=True)
         _guard_generate(model)
 
@@ -107,6 +108,60 @@ def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs) if inner is not None else type(self).generate(self, *args, **kwargs)
 
 
+class _SharedDropout:
+    """Forward pre-hook: in training, with dropout somewhere in the model, every rank of
+    the TP group starts the forward from the random state of the group's first rank.
+
+    The ranks compute one model: a mask drawn on a replicated activation (GPT-2's residual
+    dropout) must be the same on all of them.  Ranks seeded apart (a loader's per-rank
+    seed) drew different masks, so each rank's copy of the residual stream differed and
+    the all-reduces summed parts of different computations, silently.  One broadcast of
+    the generator state per training forward; nothing when no dropout is active."""
+
+    def __init__(self) -> None:
+        self.active: bool | None = None
+
+    def __call__(self, model: nn.Module, args: tuple) -> None:
+        if not model.training or not dist.is_initialized():
+            return
+        if self.active is None:
+            self.active = _has_dropout(model)
+        if self.active:
+            _share_rng(_tp_group(model))
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    """A dropout module, or a config field (``attention_dropout``, ``resid_pdrop``) that a
+    functional dropout reads, with a probability above zero."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    seen: set[int] = set()
+    stack = [getattr(model, "config", None)]
+    while stack:
+        cfg = stack.pop()
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "__dict__"):
+            continue
+        seen.add(id(cfg))
+        for key, value in vars(cfg).items():
+            if isinstance(value, float) and value > 0 and ("dropout" in key or "pdrop" in key):
+                return True
+            if hasattr(value, "to_dict"):  # a sub-config (text_config, vision_config)
+                stack.append(value)
+    return False
+
+
+def _share_rng(group: Any) -> None:
+    """Every rank of ``group`` takes its first rank's CPU (and CUDA) generator state."""
+    if dist.get_world_size(group) == 1:
+        return
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
+    dist.broadcast_object_list(states, group_src=0, group=group)
+    torch.set_rng_state(states[0])
+    if cuda:
+        torch.cuda.set_rng_state(states[1])
+
+
 @contextlib.contextmanager
 def _rng_of_first_rank(group: Any) -> Iterator[None]:
     """Sampling (``do_sample=True``) draws from the random generator of the TP group's
@@ -118,11 +173,7 @@ def _rng_of_first_rank(group: Any) -> Iterator[None]:
         return
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     own = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
-    states = list(own)
-    dist.broadcast_object_list(states, group_src=0, group=group)
-    torch.set_rng_state(states[0])
-    if cuda:
-        torch.cuda.set_rng_state(states[1])
+    _share_rng(group)
     try:
         yield
     finally:
