@@ -175,7 +175,7 @@ UNPLANNED = ("prefix", "hra")  # refused before or while tracing: nothing to pla
 def _grads(model: torch.nn.Module, world: int) -> dict[str, torch.Tensor]:
     """Every gradient of a PEFT model, transformed whole or around a transformed model, in
     HF rows under the PEFT model's names (collective)."""
-    if hasattr(model, "tpcompile_table"):
+    if "tpcompile_table" in vars(model):  # transformed whole (PEFT forwards a base's attributes)
         return hf_grads(model, world)
     out = _hf_grads(model)
     # parameters outside the transformed model (a prompt encoder) are plain tensors
