@@ -270,17 +270,38 @@ def _export_once(model: nn.Module, args: tuple, kwargs: dict,
 @contextlib.contextmanager
 def quiet_traces() -> Iterator[None]:
     """Silence torch's fake-tensor error log (a trace that fails is an answer here) and
-    its shape log's word on the unused symbol a boolean question left (:mod:`.branches`)."""
+    its shape log's word on the unused symbol a boolean question left (:mod:`.branches`);
+    and let model code open ``torch.autocast`` on the device of a meta tensor."""
     logs = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor",
                                                  "torch.fx.experimental.symbolic_shapes")]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
     try:
-        yield
+        with autocast_on_meta():
+            yield
     finally:
         for log, level in zip(logs, levels, strict=True):
             log.setLevel(level)
+
+
+@contextlib.contextmanager
+def autocast_on_meta() -> Iterator[None]:
+    """``torch.autocast(device_type="meta")`` opens CPU's autocast instead: torch refuses
+    the meta device ("unsupported scalarType"), and PEFT's LoRA on parameters (MoE experts,
+    ``target_parameters``) opens it on its weight's device, which is meta in every trace
+    here.  Nothing runs on the meta device, so whose autocast it is does not matter."""
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__init__
+
+    def init(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+        original(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
 
 
 # the size a dim only real data sizes gets in the captured graph (the tokens one of
