@@ -14,7 +14,7 @@ adapters' random initialisation must match too):
   module under it, or one added after ``parallelize`` with activation checkpointing, is
   refused naming it;
 * other kinds: IA3, LoRA on the embedding and on the LM head exact in both orders,
-  ``modules_to_save`` and DeLoRA exact when added first, DoRA refused naming why;
+  ``modules_to_save``, DoRA and DeLoRA exact when added first (DoRA refused after, naming why);
 * saving: adapter files (PEFT's format, HF shapes, rank 0) that plain PEFT loads onto an
   untransformed base; ``PeftModel.from_pretrained(transformed_base, dir)``;
   ``merge_and_unload`` (the merged TP model) and its ``save_pretrained`` loaded by plain
@@ -464,6 +464,46 @@ def _expert_lora(rank: int, world: int) -> dict:
             "grads": max((got[n] - want[n]).abs().max().item() for n in want)}
 
 
+def _seq_cls(rank: int, world: int) -> dict:
+    """A sequence classifier's LoRA added after ``transform``: PEFT's SEQ_CLS task copies
+    the score head into ``modules_to_save`` (a copy of a transformed module: its weight a
+    DTensor, its tpcompile hooks bound to the original) and the wrapper reads the
+    original's weight.  Refused before, as a re-split; a head of 2 labels now stays whole
+    from the start, and the copy is planned afresh and trained."""
+    import peft
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = tiny_config("llama", pad_token_id=0, num_labels=2)
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "task_type": "SEQ_CLS", "init_lora_weights": False}
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return AutoModelForSequenceClassification.from_config(cfg).eval()
+
+    base = build()
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(base, peft.LoraConfig(**lora))
+    transformed = tpcompile.transform(build(), tp=world)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(transformed, peft.LoraConfig(**lora))
+    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1])
+    a, b = ref(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    a.loss.backward()
+    b.loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    got = _grads(model, world)
+    return {"logits": (a.logits - b.logits).abs().max().item(), "same": set(got) == set(want),
+            "copy": "base_model.model.score.modules_to_save.default.weight" in got,
+            "grads": max((got[n] - want[n]).abs().max().item() for n in want if n in got)}
+
+
+@pytest.mark.slow
+def test_a_classifier_adapted_after_transform_is_exact(world2: CaseResults) -> None:
+    for r in world2["seq_cls"]:
+        assert r["same"] and r["copy"] and r["logits"] < TOL and r["grads"] < TOL, r
+
+
 @pytest.mark.slow
 def test_lora_on_expert_parameters_is_exact(world2: CaseResults) -> None:
     for r in world2["expert_lora"]:
@@ -478,6 +518,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
     cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,), adalora=(_adalora_allocation,),
                  shared_bank=(_shared_bank_fsdp,), expert_lora=(_expert_lora,),
+                 seq_cls=(_seq_cls,),
                  resume=(_resume, str(tmp_path_factory.mktemp("resume"))))
     return run_cases(2, cases, timeout=900)
 
@@ -509,7 +550,8 @@ def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
     for r in world2["kinds"]:
         for case in ("ia3_after", "ia3_before", "lora_embedding_after", "lora_embedding_before",
                      "modules_to_save_before", "vera_before", "prompt_before", "prompt_after", "adalora_before",
-                     "miss_before", "vblora_before", "delora_before", "lora_lm_head_before", "lora_lm_head_after"):
+                     "miss_before", "vblora_before", "delora_before", "lora_lm_head_before", "lora_lm_head_after",
+                     "dora_before"):
             assert r[case][0] == "exact" and r[case][1] < TOL, (case, r[case])  # outputs and gradients
         # VeRA's projections, shared by q (64 rows) and v (32), cannot follow q's heads onto
         # their ranks: the adapted model keeps the attention whole, which transform had split
@@ -526,9 +568,9 @@ def test_other_adapter_kinds_are_exact_or_refused(world2: CaseResults) -> None:
             assert r[f"hra_{order}"][0] == "refused" and "could not capture" in r[f"hra_{order}"][1], r
         # a copy of the LM head beside it cannot keep the head's vocabulary split: said, not guessed
         assert r["modules_to_save_after"][0] == "refused" and "lm_head" in r["modules_to_save_after"][1], r
-        # DoRA's magnitude reads the sharded base weight: refused in both orders, naming why
+        # DoRA's magnitude reads the sharded base weight: refused after transform, naming why;
+        # before it, the weight norms read the layers whole, so they stay whole (exact)
         assert r["dora_after"][0] == "refused" and "DoRA" in r["dora_after"][1], r
-        assert r["dora_before"][0] == "refused" and "lora_magnitude_vector" in r["dora_before"][1], r
         # DeLoRA's weight norms are computed from the DTensors without an error: found by
         # what the injection made, refused all the same
         assert r["delora_after"][0] == "refused" and "delora_w_norm" in r["delora_after"][1], r

@@ -30,7 +30,7 @@ import numpy as np
 import torch.fx as fx
 
 from .propagate import Analysis, innermost_module, module_path
-from .state import SubDim
+from .state import ParamRef, SubDim
 
 __all__ = ["read_outside", "split_raw_reads"]
 
@@ -74,11 +74,19 @@ def split_raw_reads(an: Analysis, layouts: dict[str, Any]) -> list[tuple[str, np
         if lay is None:
             continue
         real = lay.dim.dim if isinstance(lay.dim, SubDim) else lay.dim
-        block = an.atoms.by_key.get((rr.fqn, lay.dim))
-        if real not in rr.dims or block is None:
+        if real not in rr.dims:
             continue
+        block = an.atoms.by_key.get((rr.fqn, lay.dim))
+        if block is not None:
+            atoms = np.arange(block.start, block.start + block.size, dtype=np.int64)
+        else:  # no features of its own: sliced like the features it meets (a bias added in code)
+            met = [ev.atoms.reshape(-1) for ev in an.aligned
+                   if isinstance(ev.operand, ParamRef) and ev.operand.fqn == rr.fqn]
+            if not met:
+                continue
+            atoms = np.concatenate(met)
         op = getattr(rr.node.target, "__name__", str(rr.node.target))
         why = (f"{op} in {innermost_module(rr.node) or '<root>'} reads {rr.fqn} whole along dim {real}, "
                "which would be split; kept the region replicated")
-        out.append((why, np.arange(block.start, block.start + block.size, dtype=np.int64)))
+        out.append((why, atoms))
     return out

@@ -37,7 +37,10 @@ from .reentry import Reentry, find_params_only, find_reentry
 from .state import Feat, ParamRef
 from .stats import STAT_OPS, SplitStat, find_split_stats
 
-__all__ = ["Analyzed", "analyze"]
+__all__ = ["SMALL_HEAD", "Analyzed", "analyze"]
+
+# a head returning fewer outputs than this (a classifier's labels) stays whole
+SMALL_HEAD = 128
 
 
 def key_matches(key: str, fqn: str) -> bool:
@@ -367,6 +370,15 @@ def _structural(an: Analysis, part: Partition, outputs: np.ndarray, why: dict) -
         return new
     out_set = set(np.unique(outputs[outputs >= 0]).tolist())
     vocab_sizes = {int(c.atoms.size) for c in an.columns if int(c.atoms[0]) in out_set}
+    tables = {e.fqn for e in an.embeddings}
+    for c in an.columns:
+        if int(c.atoms[0]) in out_set and c.atoms.size < SMALL_HEAD and c.fqn not in tables:
+            # a classifier's labels, a QA head's start and end: a split saves a few rows and
+            # costs a gather, and a PEFT ``modules_to_save`` copy of it (added for every
+            # SEQ_CLS task) would otherwise re-split it after transform
+            key = (c.fqn, an.atoms.by_key_of(c.atoms))
+            new.add(key)
+            _because(why, {key}, f"a head of {c.atoms.size} outputs: a split would cost more than it saves")
     for e in an.embeddings:
         tied = any(c.fqn == e.fqn for c in an.columns)
         if not tied and e.atoms.size not in vocab_sizes and e.atoms.size < 16384:

@@ -47,7 +47,7 @@ from ..analysis.shape_sites import strip_sites
 from ..errors import TPError, listed
 from ..plan.modules import VocabEmbedding
 from ..plan.types import Plan
-from .apply import apply_plan
+from .apply import apply_plan, install_scoped_swap
 from .guard import held, settle
 
 __all__ = ["adopt_plan", "global_twin", "is_peft_model", "refuse_cache_prefixes", "size_adapters_globally",
@@ -94,12 +94,17 @@ def _patch_injection(utils: Any) -> None:
         watched = "_tpcompile_watch" in model.__dict__
         try:
             with held():
-                before = {id(t) for t in itertools.chain(model.parameters(), model.buffers())} if watched else set()
+                before = {id(t) for t in itertools.chain(model.parameters(), model.buffers(), model.modules())} \
+                    if watched else set()
                 out = inject(self, model, *args, **kwargs)
+                for module in model.modules() if watched else ():
+                    if id(module) not in before:
+                        _drop_copied_hooks(module)
                 # no error does not mean no such computation: a factorization of the
                 # sharded weight (PEFT OSF's SVD) runs on the DTensor, leaving DTensors
+                # (a ``modules_to_save`` copy is a copy, not a computation: the re-plan judges it)
                 made = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
-                        if watched and id(t) not in before and isinstance(t, DTensor)]
+                        if watched and id(t) not in before and isinstance(t, DTensor) and ".modules_to_save." not in n]
         except RuntimeError as err:
             if not watched or "mixed torch.Tensor and DTensor" not in str(err):
                 raise
@@ -111,6 +116,19 @@ def _patch_injection(utils: Any) -> None:
 
     inject_adapter._tpcompile_original = inject
     tuner.inject_adapter = inject_adapter
+
+
+def _drop_copied_hooks(module: nn.Module) -> None:
+    """A module PEFT made by copying a transformed one (``modules_to_save``) carries the
+    original's tpcompile hooks, bound to the original's state: they would swap the copy's
+    parameters and never restore them.  The copy is planned afresh, hooks and all."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, fn in list(hooks.items()):
+            if _ours("", fn):
+                del hooks[key]
+                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):
+                    extra.pop(key, None)
 
 
 def _computed_from_shards(tuner: Any, what: str) -> TPError:
@@ -365,8 +383,18 @@ def _layout(pp: Any) -> tuple:
 def adopt_plan(model: nn.Module, old: Plan, new: Plan, backend: Any) -> None:
     """Apply the part of ``new`` (the adapted model's plan) that ``old`` (the applied one,
     under today's names) does not cover; raise if a planned part would change."""
+    tied = {name for p in new.params.values() for name in p.tied_to}
+    rescoped: dict[str, dict[str, Any]] = {}
     for fqn, pp in old.params.items():
         now = new.params.get(fqn)
+        if now is None and pp.shard_dim is None and fqn not in tied:
+            continue  # whole, and no longer read (the original beside a modules_to_save copy)
+        if now is not None and pp.shard_dim is None and now.shard_dim is None and now.scope \
+                and _layout(now)[:4] == _layout(pp)[:4]:
+            # whole, now read by a wrapper's own code too (PEFT's modules_to_save wrapper
+            # reads its original's weight): local in that wrapper's forward as well
+            rescoped.setdefault(now.scope, {})[fqn[len(now.scope) + 1:]] = now
+            continue
         if now is None or _layout(now) != _layout(pp):
             how = "keeps it replicated" if now is None or now.shard_dim is None else f"splits dim {now.shard_dim}"
             raise TPError(
@@ -385,6 +413,8 @@ def adopt_plan(model: nn.Module, old: Plan, new: Plan, backend: Any) -> None:
                     modules={k: v for k, v in new.modules.items() if k not in old.modules})
     with torch.no_grad():
         apply_plan(model, added, backend, root_hooks=False)
+    for scope, paths in rescoped.items():
+        install_scoped_swap(model.get_submodule(scope), paths, backend)
     model.tpcompile_plan = new
 
 

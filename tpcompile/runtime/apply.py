@@ -22,7 +22,7 @@ from .grad_norm import register_copies
 from .rows import LocalRows, shared_rows, shares_rows
 from .state_dict import install_state_dict_hooks
 
-__all__ = ["apply_plan", "feature_methods", "install_root_hooks"]
+__all__ = ["apply_plan", "feature_methods", "install_root_hooks", "install_scoped_swap"]
 
 
 def _owner(fqn: str) -> tuple[str, str]:
@@ -48,7 +48,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
             # replicated parameters become replicated DTensors too: optimizers' foreach
             # kernels and grad clipping refuse a mix of DTensors and plain tensors
             with torch.no_grad():
-                local = old.detach() if pp.shard_dim is None else backend.local_shard(old.detach(), pp)
+                local = _whole_local(old, name) if pp.shard_dim is None else backend.local_shard(old.detach(), pp)
             new = backend.make_param(local, pp, old.requires_grad)
             _carry_grad_hooks(old, new, pp)
             done[id(old)] = new
@@ -91,7 +91,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
         backend.install(mods[mname], mp, sorted(set(names)), vocab_range, replicas)
     for mname, paths in scoped.items():
         prefix = f"{mname}." if mname else ""
-        _install_scoped_swap(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
+        install_scoped_swap(mods[mname], {path: by_alias[prefix + path] for path in paths}, backend)
     for mname in dict.fromkeys([*swaps, *scoped]):
         if feature_methods(mods[mname]):
             prefix = f"{mname}." if mname else ""
@@ -111,6 +111,19 @@ def apply_plan(model: nn.Module, plan: Plan, backend: Any, *, root_hooks: bool =
         install_root_hooks(model, backend)
     model.tpcompile_plan = plan
     return model
+
+
+def _whole_local(p: torch.Tensor, name: str) -> torch.Tensor:
+    """A whole parameter's tensor: a replicated DTensor (a copy of a planned parameter:
+    PEFT's ``modules_to_save`` copies the transformed module) gives its local tensor."""
+    if not isinstance(p, DTensor):
+        return p.detach()
+    if any(not pl.is_replicate() for pl in p.placements):
+        from ..errors import TPError
+
+        raise TPError(f"{name} is a copy of a split parameter of the transformed model (a modules_to_save copy "
+                      "of a split module): add the adapter before tpcompile.transform")
+    return p.to_local().detach()
 
 
 def _carry_grad_hooks(old: nn.Parameter, new: nn.Parameter, pp: ParamPlan) -> None:
@@ -193,7 +206,7 @@ class _LocalSwap:
             sub._parameters[leaf] = p
 
 
-def _install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
+def install_scoped_swap(module: nn.Module, paths: dict[str, ParamPlan], backend: Any) -> None:
     """For ``module``'s whole forward, its descendants' parameters at ``paths`` are their
     local tensors (the code reads them directly, outside the owner's forward; Mamba-2
     reads its depthwise conv's weight whose B/C channels, one group for all heads, every
