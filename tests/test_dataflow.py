@@ -955,14 +955,3 @@ def test_a_split_parameter_viewed_by_a_global_count_gets_a_shape_site(world2: Ca
     assert any(k.startswith("@") for k in plan.modules["s.0"].attr_fixups)  # refused before
     assert_exact(world2, "head_biased")
 
-
-def test_planning_leaves_the_callers_random_generator_alone() -> None:
-    # planning draws example inputs at random; PEFT initialises the adapters it adds after
-    # a re-plan from the same generator, and cached plans skip planning on some ranks
-    with torch.device("meta"):
-        model = Blorp()
-    torch.manual_seed(0)
-    tpcompile.plan_model(model, tp=2)
-    after = torch.rand(4)
-    torch.manual_seed(0)
-    assert torch.equal(after, torch.rand(4))

@@ -100,11 +100,7 @@ def plan_model(
     check_degree("ep", ep)
     arguments = dict(tp=tp, loss_parallel=loss_parallel, overrides=overrides, strict=strict,
                      example_inputs=example_inputs, ep=ep, sequence_parallel=sequence_parallel)
-    # planning draws example inputs at random: the caller's generator must not notice (PEFT
-    # initialises the adapters it adds next from it; with the plan cache, some ranks plan
-    # and others read the plan back, and their generators would part)
-    with torch.random.fork_rng(devices=[]):
-        return cached_plan(plan_key(model, arguments, rules), lambda: _plan_or_text(model, rules=rules, **arguments))
+    return cached_plan(plan_key(model, arguments, rules), lambda: _plan_or_text(model, rules=rules, **arguments))
 
 
 def _plan_or_text(model: nn.Module, **arguments: Any) -> Plan:
