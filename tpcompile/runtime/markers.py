@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import TPError
 
 __all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "GuardWindow", "differing_ranks", "input_checksum", "guarded_inputs",
-           "mark_model", "mesh_degrees"]
+           "mark_model", "mesh_degrees", "share_dropout_rng"]
 
 # forwards whose inputs are compared across the TP (and CP) group after every switch between
 # training and eval mode (generate() compares its prompt at every call besides)
@@ -73,7 +73,7 @@ def mark_model(model: nn.Module) -> None:
             config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=rep)
     if tp > 1 and not hasattr(model, "_tpcompile_input_guard"):
         model._tpcompile_input_guard = model.register_forward_pre_hook(_InputGuard(), with_kwargs=True)
-        model.register_forward_pre_hook(_SharedDropout())
+        model.register_forward_pre_hook(share_dropout_rng)
         model.register_forward_hook(_refuse_split_attentions, with_kwargs=True)
         _guard_generate(model)
 
@@ -108,26 +108,24 @@ def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs) if inner is not None else type(self).generate(self, *args, **kwargs)
 
 
-class _SharedDropout:
-    """Forward pre-hook: in training, with dropout somewhere in the model, every rank of
-    the TP group starts the forward from the random state of the group's first rank.
+def share_dropout_rng(model: nn.Module, *_: Any) -> None:
+    """In training, with dropout somewhere in the model, every rank of the TP group starts
+    the forward (a forward pre-hook; ``pipeline_step`` calls it per step) from the random
+    state of the group's first rank.
 
     The ranks compute one model: a mask drawn on a replicated activation (GPT-2's residual
     dropout) must be the same on all of them.  Ranks seeded apart (a loader's per-rank
     seed) drew different masks, so each rank's copy of the residual stream differed and
     the all-reduces summed parts of different computations, silently.  One broadcast of
     the generator state per training forward; nothing when no dropout is active."""
-
-    def __init__(self) -> None:
-        self.active: bool | None = None
-
-    def __call__(self, model: nn.Module, args: tuple) -> None:
-        if not model.training or not dist.is_initialized():
-            return
-        if self.active is None:
-            self.active = _has_dropout(model)
-        if self.active:
-            _share_rng(_tp_group(model))
+    if not model.training or not dist.is_initialized():
+        return
+    active = model.__dict__.get("_tpcompile_has_dropout")
+    if active is None:
+        active = model.__dict__["_tpcompile_has_dropout"] = _has_dropout(model)
+    mesh = getattr(model, "tpcompile_mesh", None)
+    if active and mesh is not None and (mesh.ndim == 1 or "tp" in (mesh.mesh_dim_names or ())):
+        _share_rng(_tp_group(model))
 
 
 def _has_dropout(model: nn.Module) -> bool:
