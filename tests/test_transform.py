@@ -122,7 +122,7 @@ def _cases(world: int) -> dict[str, tuple]:
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
                       "outside_read": (_outside_read,), "gathered_head": (_gathered_head,), "grad_hooks": (_grad_hooks,),
                       "attention_maps": (_attention_maps,), "sampling": (_sampling,),
-                      "dropout_rng": (_dropout_rng,),
+                      "dropout_rng": (_dropout_rng,), "reshaping": (_reshaping,),
                       "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
@@ -408,6 +408,27 @@ def _dropout_rng(rank: int, world: int) -> dict:
 def test_dropout_draws_one_mask_per_tp_group(world2: CaseResults) -> None:
     for got in world2["dropout_rng"]:
         assert got == {"spread": 0.0, "loss": 0.0}, got
+
+
+def _reshaping(rank: int, world: int) -> dict:
+    """transformers' methods that change a split shape are refused, naming the fix (they
+    crashed in DTensor dispatch: ``aten._is_all_true`` has no sharding strategy)."""
+    model = tpcompile.transform(_build("llama", {}), tp=world)
+    out = {}
+    for name, args in (("resize_token_embeddings", (300,)),):
+        try:
+            getattr(model, name)(*args)
+            out[name] = "ran"
+        except TPError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_methods_that_reshape_a_split_model_are_refused(world2: CaseResults) -> None:
+    for got in world2["reshaping"]:
+        assert "resize_token_embeddings" in got, got
+        for name, text in got.items():
+            assert text.startswith(f"{name}() on a transformed model") and "before tpcompile.transform" in text, text
 
 
 def test_attention_maps_of_split_heads_are_refused(world2: CaseResults) -> None:

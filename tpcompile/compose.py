@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .analysis.boundaries import Boundaries
-from .checkpoint.hf_methods import bind_save_pretrained, route_peft_saves
+from .checkpoint.hf_methods import bind_refused_methods, bind_save_pretrained, route_peft_saves
 from .checkpoint.pretrained import CheckpointLoader, scatter_from_rank0
 from .config import ParallelConfig
 from .errors import TPError
@@ -157,6 +157,8 @@ def apply_tp(job: Job) -> None:
     if job.tp_mesh is not None and job.rank0_weights:
         scatter_from_rank0(model, table, full)
     bind_save_pretrained(model)  # transformers' own would gather the model onto one rank
+    if job.tp_mesh is not None:
+        bind_refused_methods(model)
 
 
 def apply_loss(job: Job) -> None:

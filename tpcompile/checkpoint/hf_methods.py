@@ -54,7 +54,7 @@ from ..errors import TPError
 from ..runtime.adapters import is_peft_model, when_imported
 from ..runtime.shards import lookup, world
 
-__all__ = ["bind_save_pretrained", "route_peft_saves"]
+__all__ = ["bind_refused_methods", "bind_save_pretrained", "route_peft_saves"]
 
 _NO_EFFECT = ("token", "save_peft_format", "save_original_format")
 # weight files a previous save may have left; replaced like transformers replaces them
@@ -67,6 +67,29 @@ def bind_save_pretrained(model: nn.Module) -> None:
         model.save_pretrained = types.MethodType(_save_adapters, model)
     elif hasattr(type(model), "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
+
+
+# transformers' methods that change a shape the plan split (the vocabulary's rows); they
+# crashed deep in DTensor dispatch
+_RESHAPING = {
+    "resize_token_embeddings": "resizes the vocabulary, whose rows the plan split",
+}
+
+
+def bind_refused_methods(model: nn.Module) -> None:
+    """``model.resize_token_embeddings(...)`` on a split model raises a
+    :class:`~tpcompile.errors.TPError` saying what to do instead."""
+    for name, why in _RESHAPING.items():
+        if callable(getattr(type(model), name, None)):
+            setattr(model, name, types.MethodType(_refused(name, why), model))
+
+
+def _refused(name: str, why: str) -> Any:
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        raise TPError(f"{name}() on a transformed model {why}: call it on the model before tpcompile.transform "
+                      "/ parallelize (or save_pretrained, change the plain model, and transform it again)")
+
+    return method
 
 
 def route_peft_saves() -> None:
