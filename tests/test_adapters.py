@@ -648,3 +648,15 @@ def test_a_module_the_forward_replaces_is_refused_by_that_forward() -> None:
     # it was returned and only the next forward refused the model)
     with pytest.raises(TPError, match=r"attn \(torch.nn.modules.container.Sequential\).*during this forward"):
         model(torch.ones(1, 3, 4))
+
+
+def test_a_peft_wrapper_takes_its_base_models_example_inputs() -> None:
+    # a PeftModel without a task type forwards *args, **kwargs: its capture had token ids
+    # only, and T5's encoder-decoder refused them
+    import families
+    import peft
+
+    from tpcompile.capture import example_inputs
+
+    model = peft.get_peft_model(families.build("t5", "sdpa"), peft.LoraConfig(r=4, target_modules=["q"]))
+    assert set(example_inputs(model)) == {"input_ids", "decoder_input_ids"}

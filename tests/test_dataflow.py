@@ -955,3 +955,13 @@ def test_a_split_parameter_viewed_by_a_global_count_gets_a_shape_site(world2: Ca
     assert any(k.startswith("@") for k in plan.modules["s.0"].attr_fixups)  # refused before
     assert_exact(world2, "head_biased")
 
+
+
+def test_planning_keeps_each_modules_training_mode() -> None:
+    # a PEFT model is in training mode around a base left in eval mode (dropout off);
+    # the capture's eval() was undone with the root's flag for all, switching it on
+    model = Blorp().train()
+    model.s[0].eval()
+    modes = {n: m.training for n, m in model.named_modules()}
+    tpcompile.plan_model(model, tp=2)
+    assert {n: m.training for n, m in model.named_modules()} == modes

@@ -267,6 +267,14 @@ def _export_once(model: nn.Module, args: tuple, kwargs: dict,
     raise last
 
 
+def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    """Each module's own training flag back, not the root's for all: a model may mix them
+    (a PEFT model in training mode around a base in eval mode, its dropout off), and
+    ``model.train(root_flag)`` would switch the base's dropout on."""
+    for module, training in modes:
+        module.training = training
+
+
 @contextlib.contextmanager
 def quiet_traces() -> Iterator[None]:
     """Silence torch's fake-tensor error log (a trace that fails is an answer here) and
@@ -369,7 +377,7 @@ def capture(
 
         reps = split_by_calls(model, stacks, example_kwargs or {})
         stacks = {fqn: (mod, reps[fqn]) for fqn, (mod, _) in stacks.items() if len(set(reps[fqn])) < len(mod)}
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()  # dropout off: it would only add noise nodes to the graph
     try:
         try:
@@ -386,7 +394,7 @@ def capture(
                 ep, branches = _export(model, example_args, example_kwargs or {}, preserve)
     except Exception as err:
         if default and text_only(model, err):
-            model.train(was_training)
+            _restore_modes(modes)
             return capture(model, cut_stacks=cut_stacks)
         raise CaptureError(
             f"tpcompile could not capture {type(model).__name__} with torch.export "
@@ -394,7 +402,7 @@ def capture(
             "Pass one batch the model accepts: transform(..., example_inputs=dict(...))."
         ) from err
     finally:
-        model.train(was_training)
+        _restore_modes(modes)
     size_data_dependent(ep.graph)
     canonical_aliases(ep.graph)
     sig = ep.graph_signature

@@ -211,10 +211,7 @@ def example_inputs(
     config = _config(model)
     dtype, device = _param_dtype(model)
     name = getattr(model, "main_input_name", "input_ids")
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
+    params = _forward_params(model)
     if config is None:
         if name != "input_ids":
             raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
@@ -244,6 +241,20 @@ def example_inputs(
         if ref is not None:
             out["labels"] = _token_ids(config, batch, ref.shape[1], device, generator)
     return out
+
+
+def _forward_params(model: nn.Module) -> Any:
+    """The forward's parameters; a wrapper whose forward takes ``*args, **kwargs`` alone (a
+    ``PeftModel`` without a task type, around T5) has its base model's."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    base = getattr(model, "get_base_model", None)
+    if params and all(p.kind in variadic for p in params.values()) and callable(base) and base() is not model:
+        return _forward_params(base())
+    return params
 
 
 def _example_inputs(model: nn.Module, splice: bool = True) -> tuple[tuple, dict]:
