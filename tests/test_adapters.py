@@ -504,6 +504,42 @@ def test_a_classifier_adapted_after_transform_is_exact(world2: CaseResults) -> N
         assert r["same"] and r["copy"] and r["logits"] < TOL and r["grads"] < TOL, r
 
 
+def _vlm_after(rank: int, world: int) -> dict:
+    """LoRA on a vision-language model (LLaVA; ``q_proj`` / ``v_proj`` match both towers)
+    added after ``transform``: the re-plan's twin of the model kept transformers' flag that
+    its output-capturing hooks were installed, without the hooks; its vision tower then
+    returned no hidden states, the images were dropped, and the re-plan (vision kept
+    whole) was refused as a re-split."""
+    import families
+    import peft
+
+    from tpcompile.capture import example_inputs
+
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    torch.manual_seed(0)
+    base = families.build("llava", "sdpa")
+    inputs = example_inputs(base, batch=2, seq=9, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(base, peft.LoraConfig(**lora))
+    torch.manual_seed(0)
+    transformed = tpcompile.transform(families.build("llava", "sdpa"), tp=world)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(transformed, peft.LoraConfig(**lora))
+    a, b = ref(**inputs).logits, model(**inputs).logits
+    a.square().mean().backward()
+    b.square().mean().backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    got = _grads(model, world)
+    return {"logits": (a - b).abs().max().item(), "same": set(got) == set(want),
+            "grads": max((got[n] - want[n]).abs().max().item() for n in want if n in got)}
+
+
+@pytest.mark.slow
+def test_lora_on_a_vision_language_model_after_transform_is_exact(world2: CaseResults) -> None:
+    for r in world2["vlm_after"]:
+        assert r["same"] and r["logits"] < TOL and r["grads"] < TOL, r
+
+
 @pytest.mark.slow
 def test_lora_on_expert_parameters_is_exact(world2: CaseResults) -> None:
     for r in world2["expert_lora"]:
@@ -518,7 +554,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
     cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,), adalora=(_adalora_allocation,),
                  shared_bank=(_shared_bank_fsdp,), expert_lora=(_expert_lora,),
-                 seq_cls=(_seq_cls,),
+                 seq_cls=(_seq_cls,), vlm_after=(_vlm_after,),
                  resume=(_resume, str(tmp_path_factory.mktemp("resume"))))
     return run_cases(2, cases, timeout=900)
 

@@ -327,7 +327,10 @@ def global_twin(model: nn.Module, plan: Plan) -> nn.Module:
             return clones[id(mod)]
         twin = object.__new__(_plain_class(type(mod)))
         clones[id(mod)] = twin
-        state = {k: v for k, v in mod.__dict__.items() if not _ours(k, v)}
+        # every hook is dropped below, so a flag saying hooks are installed goes too
+        # (transformers' ``_output_capturing_hooks_installed``: the twin's vision tower
+        # returned no hidden states, its images failed, and the re-plan kept it whole)
+        state = {k: v for k, v in mod.__dict__.items() if not _ours(k, v) and not k.endswith("_hooks_installed")}
         for k, v in state.items():
             if "hooks" in k and isinstance(v, dict):
                 state[k] = OrderedDict()  # tpcompile's collectives, state-dict hooks, guards

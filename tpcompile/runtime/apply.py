@@ -242,4 +242,5 @@ def _localizefeature_methods(module: nn.Module, paths: dict[str, ParamPlan], bac
             finally:
                 _swap.exit()
 
+        local.__module__ = __name__  # tpcompile's: a re-plan's twin of the model drops it (wraps copied HF's)
         setattr(module, name, local)
