@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,9 +27,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from ..errors import TPError
+from .random_state import first_ranks_state, has_dropout, share_state, state_tensor
 
 __all__ = ["CHECKSUM_BYTES", "GUARDED_FORWARDS", "GuardWindow", "differing_ranks", "input_checksum", "guarded_inputs",
-           "mark_model", "mesh_degrees", "share_dropout_rng"]
+           "mark_model", "mesh_degrees"]
 
 # forwards whose inputs are compared across the TP (and CP) group after every switch between
 # training and eval mode (generate() compares its prompt at every call besides)
@@ -73,7 +74,6 @@ def mark_model(model: nn.Module) -> None:
             config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=rep)
     if tp > 1 and not hasattr(model, "_tpcompile_input_guard"):
         model._tpcompile_input_guard = model.register_forward_pre_hook(_InputGuard(), with_kwargs=True)
-        model.register_forward_pre_hook(share_dropout_rng)
         model.register_forward_hook(_refuse_split_attentions, with_kwargs=True)
         _guard_generate(model)
 
@@ -95,8 +95,9 @@ def _guard_generate(model: nn.Module) -> None:
 
 def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     tensors = guarded_inputs((*args, *kwargs.values()))
+    apart = False  # the ranks' generator states differ (sampling would draw different tokens)
     if tensors and dist.is_initialized():
-        differ = differing_ranks(tensors, _tp_group(self))
+        differ, apart = _differing(tensors, _tp_group(self), random_state=True)
         if differ:
             raise TPError(
                 f"generate(): the ranks of a tensor-parallel group received different batches of prompts (TP-group ranks "
@@ -104,81 +105,8 @@ def _guarded_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 "rank of a TP group must generate from the same inputs (give the TP ranks one prompt batch, e.g. "
                 "the slice tpcompile.data_parallel_rank(model) names)")
     inner = self.__dict__.get("_tpcompile_inner_generate")
-    with _rng_of_first_rank(_tp_group(self) if dist.is_initialized() else None):
+    with first_ranks_state(_tp_group(self)) if apart else contextlib.nullcontext():
         return inner(*args, **kwargs) if inner is not None else type(self).generate(self, *args, **kwargs)
-
-
-def share_dropout_rng(model: nn.Module, *_: Any) -> None:
-    """In training, with dropout somewhere in the model, every rank of the TP group starts
-    the forward (a forward pre-hook; ``pipeline_step`` calls it per step) from the random
-    state of the group's first rank.
-
-    The ranks compute one model: a mask drawn on a replicated activation (GPT-2's residual
-    dropout) must be the same on all of them.  Ranks seeded apart (a loader's per-rank
-    seed) drew different masks, so each rank's copy of the residual stream differed and
-    the all-reduces summed parts of different computations, silently.  One broadcast of
-    the generator state per training forward; nothing when no dropout is active."""
-    if not model.training or not dist.is_initialized():
-        return
-    active = model.__dict__.get("_tpcompile_has_dropout")
-    if active is None:
-        active = model.__dict__["_tpcompile_has_dropout"] = _has_dropout(model)
-    mesh = getattr(model, "tpcompile_mesh", None)
-    if active and mesh is not None and (mesh.ndim == 1 or "tp" in (mesh.mesh_dim_names or ())):
-        _share_rng(_tp_group(model))
-
-
-def _has_dropout(model: nn.Module) -> bool:
-    """A dropout module, or a config field (``attention_dropout``, ``resid_pdrop``) that a
-    functional dropout reads, with a probability above zero."""
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
-        return True
-    seen: set[int] = set()
-    stack = [getattr(model, "config", None)]
-    while stack:
-        cfg = stack.pop()
-        if cfg is None or id(cfg) in seen or not hasattr(cfg, "__dict__"):
-            continue
-        seen.add(id(cfg))
-        for key, value in vars(cfg).items():
-            if isinstance(value, float) and value > 0 and ("dropout" in key or "pdrop" in key):
-                return True
-            if hasattr(value, "to_dict"):  # a sub-config (text_config, vision_config)
-                stack.append(value)
-    return False
-
-
-def _share_rng(group: Any) -> None:
-    """Every rank of ``group`` takes its first rank's CPU (and CUDA) generator state."""
-    if dist.get_world_size(group) == 1:
-        return
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
-    dist.broadcast_object_list(states, group_src=0, group=group)
-    torch.set_rng_state(states[0])
-    if cuda:
-        torch.cuda.set_rng_state(states[1])
-
-
-@contextlib.contextmanager
-def _rng_of_first_rank(group: Any) -> Iterator[None]:
-    """Sampling (``do_sample=True``) draws from the random generator of the TP group's
-    first rank on every rank, as one process would sample once: ranks seeded apart (a
-    loader's per-rank seed) drew different tokens, fed the next step different inputs and
-    decoded a mix of shards.  Each rank's own generator state is restored afterwards."""
-    if group is None or dist.get_world_size(group) == 1:
-        yield
-        return
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    own = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
-    _share_rng(group)
-    try:
-        yield
-    finally:
-        if dist.get_rank(group) != 0:
-            torch.set_rng_state(own[0])
-            if cuda:
-                torch.cuda.set_rng_state(own[1])
 
 
 class _InputGuard:
@@ -197,7 +125,10 @@ class _InputGuard:
         tensors = guarded_inputs((*args, *kwargs.values()))
         if not tensors:
             return
-        differ = differing_ranks(tensors, _tp_group(model))
+        group = _tp_group(model)
+        differ, apart = _differing(tensors, group, random_state=model.training and has_dropout(model))
+        if apart and not differ:  # dropout masks would differ: one random stream for the group
+            share_state(group)
         if differ:
             raise TPError(
                 f"the ranks of a tensor-parallel group received different batches (TP-group ranks {differ} differ "
@@ -271,10 +202,22 @@ def guarded_inputs(values: Iterable[Any]) -> list[torch.Tensor]:
 def differing_ranks(tensors: list[torch.Tensor], group: Any) -> list[int]:
     """The ranks of ``group`` whose integer ``tensors`` differ from its first rank's: one
     all-gather of their checksums (every rank of the group calls)."""
+    return _differing(tensors, group)[0]
+
+
+def _differing(tensors: list[torch.Tensor], group: Any, random_state: bool = False) -> tuple[list[int], bool]:
+    """:func:`differing_ranks`, and with ``random_state`` whether the ranks' generator
+    states differ too (their checksum rides in the same all-gather,
+    :mod:`.random_state`)."""
+    if random_state:
+        tensors = [*tensors, state_tensor(tensors[0].device)]
     sums = torch.stack([input_checksum(t) for t in tensors])
     everyone = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, sums, group=group)
-    return [r for r, x in enumerate(everyone) if x.shape != sums.shape or not torch.equal(x, everyone[0])]
+    inputs = slice(0, len(tensors) - int(random_state))
+    differ = [r for r, x in enumerate(everyone) if x.shape != sums.shape or not torch.equal(x[inputs], everyone[0][inputs])]
+    apart = random_state and any(not torch.equal(x[-1], everyone[0][-1]) for x in everyone)
+    return differ, apart
 
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

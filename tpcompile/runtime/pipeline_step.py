@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import TPError
 from ..plan.stages import SCHEDULES
 from .loss import check_labels
-from .markers import differing_ranks, guarded_inputs, share_dropout_rng
+from .markers import differing_ranks, guarded_inputs
 from .pipeline import PipelineRun, shape_key, sum_tied_gradients
 from .torch_backend import check_ids
 
@@ -200,7 +200,6 @@ def pipeline_step(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         return out.loss.detach()
     m = run.plan.microbatches
     _check_batch(run, model, batch)
-    share_dropout_rng(model)
     mbs = _split(batch, m)
     run.microbatches, run.weights = mbs, _weights(model, mbs)
     device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))

@@ -55,6 +55,7 @@ from ..errors import TPError
 from ..plan.modules import Hook, ModulePlan
 from ..plan.types import ParamPlan, Plan, Role
 from ..runtime.loss import vocab_parallel_ce_collectives
+from ..runtime.random_state import has_dropout
 from .cost_params import (
     COLLECTIVES,
     Issue,
@@ -557,7 +558,7 @@ def estimate_cost(model: nn.Module, plan: Plan, *, batch: int | None = None, seq
         "unit": unit,
         "per_step": per_step,
         "eval_step": eval_step(issues, tokens),
-        "input_guard": input_guard(plan.tp, cp),
+        "input_guard": input_guard(plan.tp, cp, dropout=has_dropout(model)),
         "memory_per_rank": mem,
         "activations": activations,
         "issues": [_issue_dict(i) for i in issues],

@@ -165,14 +165,18 @@ def eval_step(issues: list[Issue], tokens: int | None) -> dict[str, dict[str, di
             "no_labels": totals([i for i in evaluated if i.source != "loss"], tokens)["forward"]}
 
 
-def input_guard(tp: int, cp: int) -> dict[str, Any]:
+def input_guard(tp: int, cp: int, dropout: bool = False) -> dict[str, Any]:
     """What the input guard adds: in the first forwards after every switch between training
     and eval mode (each evaluation loop, and the training after it), every TP and CP group
-    all-gathers a checksum of each input tensor (ids and labels: two); every
-    ``generate()`` call compares its prompt over the TP group once more (``generate``: per
-    input tensor, e.g. ids and attention mask)."""
+    all-gathers a checksum of each input tensor (ids and labels: two), and in training,
+    where a dropout is active, the TP group one more of its generator state
+    (:mod:`tpcompile.runtime.random_state`); every ``generate()`` call compares its prompt
+    over the TP group once more (``generate``: per input tensor, e.g. ids and attention
+    mask, plus the generator state's)."""
     groups = [g for g, n in (("tp", tp), ("cp", cp)) if n > 1]
     return {"forwards": GUARDED_FORWARDS if groups else 0, "groups": groups,
             "all_gather": {"count": len(groups), "bytes": len(groups) * 2 * CHECKSUM_BYTES,
-                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES},
-            "generate": {"count": int(tp > 1), "bytes_per_input": CHECKSUM_BYTES if tp > 1 else 0}}
+                           "bytes_no_labels": len(groups) * CHECKSUM_BYTES,
+                           "training_extra_bytes": CHECKSUM_BYTES if tp > 1 and dropout else 0},
+            "generate": {"count": int(tp > 1), "bytes_per_input": CHECKSUM_BYTES if tp > 1 else 0,
+                         "fixed_bytes": CHECKSUM_BYTES if tp > 1 else 0}}

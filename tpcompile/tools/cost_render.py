@@ -121,11 +121,14 @@ def render_eval(cost: dict[str, Any]) -> str:
         g = guard["all_gather"]
         line += (f"; input guard: the first {guard['forwards']} forwards after each switch between training and eval "
                  f"mode add {g['count']} all_gather of {g['bytes']} B ({' and '.join(guard['groups'])} group: "
-                 "checksums of the inputs)")
+                 "checksums of the inputs")
+        if g.get("training_extra_bytes"):
+            line += f"; in training {g['training_extra_bytes']} B more: the random state, for dropout"
+        line += ")"
         gen = guard["generate"]
         if gen["count"]:
             line += (f", and every generate() call {gen['count']} all_gather of {gen['bytes_per_input']} B per "
-                     "input tensor (tp group: the prompt)")
+                     f"input tensor and {gen.get('fixed_bytes', 0)} B (tp group: the prompt and the random state)")
     return line
 
 
