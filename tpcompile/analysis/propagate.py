@@ -317,8 +317,8 @@ class Analysis:
         if r is not None:
             uses = self._use_count()
             value = r.fn(self, node)
-            if _holds_nothing(value) and self._use_count() == uses:
-                self._read_raw(node)
+            if _holds_nothing(value) and self._use_count() == uses and node not in self.fresh:
+                self._read_raw(node)  # (a fresh fill reads its input's shape, not its entries)
             if isinstance(value, Feat) and not _fits(value.atoms, self.shape(node)):
                 # a rule's bug (a user rule's too) must not place features at the wrong
                 # positions: the region stays whole, or strict names the rule

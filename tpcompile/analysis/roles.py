@@ -40,7 +40,7 @@ from .stats import STAT_OPS, SplitStat, find_split_stats
 __all__ = ["SMALL_HEAD", "Analyzed", "analyze"]
 
 # a head returning fewer outputs than this (a classifier's labels) stays whole
-SMALL_HEAD = 128
+SMALL_HEAD = 32
 
 
 def key_matches(key: str, fqn: str) -> bool:
