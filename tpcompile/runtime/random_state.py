@@ -41,14 +41,8 @@ def state_tensor(device: torch.device) -> torch.Tensor:
 
 def has_dropout(model: nn.Module) -> bool:
     """A dropout module, or a config field (``attention_dropout``, ``resid_pdrop``) a
-    functional dropout reads, with a probability above zero (remembered on the model)."""
-    found = model.__dict__.get("_tpcompile_has_dropout")
-    if found is None:
-        found = model.__dict__["_tpcompile_has_dropout"] = _finds_dropout(model)
-    return found
-
-
-def _finds_dropout(model: nn.Module) -> bool:
+    functional dropout reads, with a probability above zero.  Asked in the guarded
+    forwards only, so it is looked up afresh (a config changed since counts)."""
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         return True
     seen: set[int] = set()
