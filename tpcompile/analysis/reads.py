@@ -63,7 +63,6 @@ def read_outside(graph: fx.Graph, param_of_placeholder: dict[str, str],
     return out
 
 
-
 def split_raw_reads(an: Analysis, layouts: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
     """``(why, atoms)`` for every raw read of a parameter the plan splits along a dim the
     read mixes: ``atoms`` are that dim's, whose region must stay whole (``layouts``:

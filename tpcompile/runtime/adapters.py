@@ -94,8 +94,9 @@ def _patch_injection(utils: Any) -> None:
         watched = "_tpcompile_watch" in model.__dict__
         try:
             with held():
-                before = {id(t) for t in itertools.chain(model.parameters(), model.buffers(), model.modules())} \
-                    if watched else set()
+                # held by reference: an object PEFT replaces and frees must not lend its id
+                before = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), model.modules())} \
+                    if watched else {}
                 out = inject(self, model, *args, **kwargs)
                 for module in model.modules() if watched else ():
                     if id(module) not in before:
@@ -393,7 +394,7 @@ def adopt_plan(model: nn.Module, old: Plan, new: Plan, backend: Any) -> None:
         if now is None and pp.shard_dim is None and fqn not in tied:
             continue  # whole, and no longer read (the original beside a modules_to_save copy)
         if now is not None and pp.shard_dim is None and now.shard_dim is None and now.scope \
-                and _layout(now)[:4] == _layout(pp)[:4]:
+                and now.scope != pp.scope and _layout(now)[:4] == _layout(pp)[:4]:
             # whole, now read by a wrapper's own code too (PEFT's modules_to_save wrapper
             # reads its original's weight): local in that wrapper's forward as well
             rescoped.setdefault(now.scope, {})[fqn[len(now.scope) + 1:]] = now

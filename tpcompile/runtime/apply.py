@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..analysis.fixups import apply_fixups, localize_embedding
+from ..errors import TPError
 from ..plan.modules import ModulePlan, VocabEmbedding
 from ..plan.types import ParamPlan, Plan, Role, forward_holder
 from . import comm
@@ -22,7 +23,7 @@ from .grad_norm import register_copies
 from .rows import LocalRows, shared_rows, shares_rows
 from .state_dict import install_state_dict_hooks
 
-__all__ = ["apply_plan", "feature_methods", "install_root_hooks", "install_scoped_swap"]
+__all__ = ["apply_plan", "feature_methods", "has_gradient_hooks", "install_root_hooks", "install_scoped_swap"]
 
 
 def _owner(fqn: str) -> tuple[str, str]:
@@ -119,11 +120,15 @@ def _whole_local(p: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return p.detach()
     if any(not pl.is_replicate() for pl in p.placements):
-        from ..errors import TPError
-
         raise TPError(f"{name} is a copy of a split parameter of the transformed model (a modules_to_save copy "
                       "of a split module): add the adapter before tpcompile.transform")
     return p.to_local().detach()
+
+
+def has_gradient_hooks(p: torch.Tensor) -> bool:
+    """Were hooks registered on the tensor ``p`` itself (``register_hook``, or
+    ``register_post_accumulate_grad_hook``)?"""
+    return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _carry_grad_hooks(old: nn.Parameter, new: nn.Parameter, pp: ParamPlan) -> None:
@@ -132,10 +137,10 @@ def _carry_grad_hooks(old: nn.Parameter, new: nn.Parameter, pp: ParamPlan) -> No
     the plain tensors they were written for: a whole parameter's hook gets the local
     tensor of its replicated gradient, complete (summed where partial) by then.  A split
     parameter's would see its rows only: refused, naming it, never dropped."""
+    if not has_gradient_hooks(old):
+        return
     hooks = list((old._backward_hooks or {}).values())
     later = list((getattr(old, "_post_accumulate_grad_hooks", None) or {}).values())
-    if not hooks and not later:
-        return
     if not isinstance(new, DTensor):  # nothing split: the hooks run as they are
         for h in hooks:
             new.register_hook(h)
@@ -143,8 +148,6 @@ def _carry_grad_hooks(old: nn.Parameter, new: nn.Parameter, pp: ParamPlan) -> No
             new.register_post_accumulate_grad_hook(h)
         return
     if later or pp.shard_dim is not None:
-        from ..errors import TPError
-
         what = "split over the TP ranks" if pp.shard_dim is not None else "a replicated DTensor"
         raise TPError(
             f"{pp.fqn} has {'post-accumulate-' if later else ''}gradient hooks (register_hook) and the plan "

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from ..config import ParallelConfig
 from .adapters import is_peft_model
-from .apply import feature_methods
+from .apply import feature_methods, has_gradient_hooks
 from .mesh import ParallelDims
 
 __all__ = ["fully_shard_model", "shard_added_modules"]
@@ -52,8 +52,7 @@ def shard_added_modules(model: nn.Module, modules: list[nn.Module], cfg: Paralle
 def _refuse_gradient_hooks(module: nn.Module) -> None:
     """FSDP2 replaces every parameter with its shard: hooks registered on the parameter
     (``register_hook``: PEFT OSF's gradient projection) would silently not run."""
-    hooked = [n for n, p in module.named_parameters()
-              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    hooked = [n for n, p in module.named_parameters() if has_gradient_hooks(p)]
     if hooked:
         from ..errors import TPError
 
