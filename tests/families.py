@@ -38,7 +38,7 @@ GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "diffllama", "apertus", "bart
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr", "llava_next", "mistral3", "audioflamingo3", "xlm", "git",
-             "falcon_uneven", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
+             "falcon_uneven", "falcon_alibi_uneven", "phi3_partial", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
 
@@ -59,6 +59,13 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
             hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             num_hidden_layers=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, **kw)
+    if name == "phi3_partial":  # rotary on half of each head: the head count 4 maps to 2 and to 4
+        # (rotate_half's halves), so which attributes go local is searched; with sdpa one of
+        # the two made local still failed at o_proj, which was taken for progress
+        return hf.Phi3ForCausalLM, hf.Phi3Config(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+            num_hidden_layers=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.5, **kw)
     if name == "t5":  # relative-position bias per head, shared embedding, decoder start token
         return hf.T5ForConditionalGeneration, hf.T5Config(
             d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2,
@@ -264,6 +271,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
         return hf.FalconForCausalLM, hf.FalconConfig(
             hidden_size=112, num_attention_heads=7, num_hidden_layers=2, multi_query=True,
             new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, **ids)
+    if name == "falcon_alibi_uneven":  # q|k|v interleaved per head: unflatten(-2, (num_heads, 3))
+        return hf.FalconForCausalLM, hf.FalconConfig(
+            hidden_size=112, num_attention_heads=7, num_hidden_layers=2, multi_query=False,
+            new_decoder_architecture=False, parallel_attn=False, bias=True, alibi=True, **ids)
     if name == "gpt2_uneven":  # Conv1D c_attn: [Q | K | V] sections, a padding head in each
         return hf.GPT2LMHeadModel, hf.GPT2Config(n_embd=112, n_head=7, n_layer=2, n_positions=64, **ids)
     if name == "mpt_uneven":  # ALiBi sliced where it enters: the padding head repeats a slope

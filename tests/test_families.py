@@ -64,6 +64,10 @@ CASES_TP2 = [
     ("deepseek_v4", "eager"),
     # heads that no tp divides, dealt unevenly with a padding head
     ("falcon_uneven", "eager"), ("falcon_uneven", "sdpa"), ("mpt_uneven", None),
+    # ... and interleaved per head, unflattened by the head count (eager ALiBi)
+    ("falcon_alibi_uneven", "eager"),
+    # head counts searched where one global count has two local ones (partial rotary)
+    ("phi3_partial", "sdpa"),
     # query heads straddling KV groups: a KV head held once, read once per query head
     ("llama_straddle", "eager"), ("phi3_straddle", "sdpa"),
     # a head the model returns and reads on (kept whole for its reader); a plan captured

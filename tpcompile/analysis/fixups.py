@@ -124,6 +124,13 @@ def _pairs(a: Analyzed, loc: Local, whole: set[fx.Node]) -> dict[str, dict[int, 
                         pairs[mod][v].add(loc.size(node, i))
             if packet in (aten.view, aten.reshape):
                 _expand_copies(a, loc, node, pairs)
+        elif packet is aten.unflatten and isinstance(out, Feat):
+            # ``unflatten(-2, (self.num_heads, 3))`` (Falcon's interleaved q|k|v): each
+            # given size lands on one output dim from ``dim`` on
+            dim = node.args[1] % an.ndim(node.args[0])
+            for i, v in enumerate(node.args[2]):
+                if isinstance(v, int) and v > 1:
+                    pairs[mod][v].add(loc.size(node, dim + i))
         elif packet in (aten.split, aten.split_with_sizes) and isinstance(an.value.get(node.args[0]), Feat):
             src = node.args[0]
             dim = (node.args[2] if len(node.args) > 2 else 0) % an.ndim(src)

@@ -292,7 +292,7 @@ def resolve_fixups(
         here = {m: ambiguous[m] for m in mods}
         if shaping is not None:  # drop the attributes the forward never turns into a shape
             here = {m: attrs for m, attrs in shaping(here).items() if attrs}
-        found = _search(trial, here, check, tp) if here else None
+        found = _search(trial, here, check, tp, problems[0]) if here else None
         if found is None:
             break
         trial, problems = found
@@ -354,9 +354,14 @@ def resolve_compared(fixups: Fixups, problems: list[Mismatch],
 
 
 def _search(base: Fixups, ambiguous: dict[str, dict[str, list[Any]]],
-            check: Callable[[Fixups], list[Mismatch]], tp: int) -> tuple[Fixups, list[Mismatch]] | None:
+            check: Callable[[Fixups], list[Mismatch]], tp: int,
+            failing: Mismatch) -> tuple[Fixups, list[Mismatch]] | None:
     """The first assignment of ``ambiguous`` (on top of ``base``) whose trace no longer
-    fails where it did, with what the trace then reports; ``None`` if none does."""
+    fails where it did (``failing``), with what the trace then reports; ``None`` if none
+    does.  A failure at the same module and line is the same failure, also where that
+    module is a child of an ambiguous one (Phi-3 with sdpa: one of two head counts made
+    local still fails in ``o_proj``, whose input the parent's forward shaped)."""
+    where = (failing.module, failing.lines)
     slots = [(m, attr, glob, [glob, *locs]) for m, attrs in ambiguous.items()
              for attr, (glob, locs) in attrs.items()]
 
@@ -371,7 +376,7 @@ def _search(base: Fixups, ambiguous: dict[str, dict[str, list[Any]]],
             if v != glob:
                 trial.setdefault(m, {})[attr] = [glob, v]
         got = check(trial)
-        if not got or got[0].module not in ambiguous:
+        if not got or (got[0].module not in ambiguous and (got[0].module, got[0].lines) != where):
             return trial, got
     return None
 
