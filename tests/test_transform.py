@@ -122,7 +122,7 @@ def _cases(world: int) -> dict[str, tuple]:
                       "embedding_tail": (_embedding_tail, False), "embedding_tail_mixing": (_embedding_tail, True),
                       "outside_read": (_outside_read,), "gathered_head": (_gathered_head,), "grad_hooks": (_grad_hooks,),
                       "attention_maps": (_attention_maps,), "sampling": (_sampling,),
-                      "dropout_rng": (_dropout_rng,), "reshaping": (_reshaping,),
+                      "dropout_rng": (_dropout_rng,), "dropout_exact": (_dropout_exact,), "reshaping": (_reshaping,),
                       "batch_norm": (_batch_norm_training,), "hf_checkpointing": (_hf_checkpointing,)})
     return cases
 
@@ -408,6 +408,52 @@ def _dropout_rng(rank: int, world: int) -> dict:
 def test_dropout_draws_one_mask_per_tp_group(world2: CaseResults) -> None:
     for got in world2["dropout_rng"]:
         assert got == {"spread": 0.0, "loss": 0.0}, got
+
+
+def _dropout_exact(rank: int, world: int) -> dict:
+    """Training with dropout at 0.1 equals one process seeded alike: masks over a rank's
+    heads (attention probabilities, eager and SDPA's), its MLP features (T5) and its
+    unevenly dealt heads are drawn whole and narrowed, so the masks are one process's
+    and so is every draw after them (the residual dropouts).  Two steps of loss, logits
+    and every gradient; before, the first loss differed by 1e-2."""
+    from families import _config
+    from transformers import AutoModelForCausalLM
+
+    def dropping(cfg: object) -> object:
+        for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout_rate", "dropout"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, 0.1)
+        return cfg
+
+    out = {}
+    for name, attn in (("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "sdpa"), ("t5", "sdpa"), ("falcon_uneven", "eager")):
+        torch.manual_seed(0)
+        if name in ("gpt2", "llama"):
+            ref = AutoModelForCausalLM.from_config(dropping(tiny_config(name)), attn_implementation=attn)
+        else:
+            cls, cfg = _config(name, None)
+            ref = cls._from_config(dropping(cfg), attn_implementation=attn)
+        model = tpcompile.transform(copy.deepcopy(ref).eval(), tp=world).train()
+        ref.train()
+        ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+        worst = 0.0
+        for step in range(2):
+            outs = []
+            for m in (ref, model):
+                torch.manual_seed(100 + step)
+                o = m(input_ids=ids, labels=ids)
+                o.loss.backward()
+                outs.append(o)
+            worst = max(worst, abs(outs[0].loss.item() - outs[1].loss.item()),
+                        (outs[0].logits - outs[1].logits).abs().max().item())
+        out[f"{name}/{attn}"] = (worst, max(grad_errors(model, ref, world).values()))
+    return out
+
+
+def test_dropout_in_training_equals_one_process(world2: CaseResults) -> None:
+    for got in world2["dropout_exact"]:
+        for case, (worst, grad) in got.items():
+            assert worst < 1e-5 and grad < 1e-5, (case, worst, grad)
 
 
 def _reshaping(rank: int, world: int) -> dict:

@@ -46,7 +46,7 @@ import torch.fx as fx
 from ..errors import TPError
 from .propagate import Analysis, innermost_module, module_path
 
-__all__ = ["EntryPaths", "EntrySlice", "entry_slice", "narrow_args"]
+__all__ = ["EntryPaths", "EntrySlice", "entry_slice", "narrow_args", "with_padding"]
 
 aten = torch.ops.aten
 # views and casts that keep every dim of their input (a slice along another dim is
@@ -102,7 +102,7 @@ def narrow_args(args: tuple, kwargs: dict, slices: Iterable[tuple], rank: int,
     return tuple(new_args), new_kwargs
 
 
-def _with_padding(index: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...] | None:
+def with_padding(index: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...] | None:
     """Each rank's rows, the same number on every rank, or ``None``.  Heads dealt
     unevenly (:func:`~tpcompile.analysis.partition.partition`'s padding units) leave the
     last ranks one head short, its padding head placed after their last one: there the
@@ -138,7 +138,7 @@ def entry_slice(an: Analysis, operand: fx.Node, operand_dim: int, ranks_line: np
     if len(set(atoms_line.tolist())) != atoms_line.size or (ranks_line < 0).any():
         return None  # a feature repeated along the dim, or a row no single rank holds
     index = tuple(tuple(int(i) for i in np.nonzero(ranks_line == r)[0]) for r in range(tp))
-    index = _with_padding(index)
+    index = with_padding(index)
     if index is None:
         return None
     size = int(ranks_line.size)

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..analysis.entries import EntryPaths
+from ..analysis.masks import mask_sites
 from ..analysis.partition import param_layout
 from ..analysis.propagate import Rule, RuleSet, innermost_module, module_path
 from ..analysis.reads import read_outside
@@ -48,6 +49,7 @@ from .modules import (
     SliceInputs,
     SplitStats,
     VocabEmbedding,
+    WholeMasks,
 )
 from .sides import plan_both_sides
 from .types import ParamPlan, Plan, Role, forward_holder, index_to_runs, runs_to_index
@@ -348,6 +350,8 @@ def build_plan(model: nn.Module, cap: Capture, a: Analyzed, *, loss_parallel: bo
         rep_ops[m][SplitStats] = SplitStats(dim=stat.dim, size=stat.size, local=stat.local, ops=stat.ops)
     for m, slices in a.entry_slices.items():
         rep_ops[m][SliceInputs] = SliceInputs(slices=tuple(es.as_tuple() for es in slices))
+    for m, sites in mask_sites(a).items():
+        rep_ops[m][WholeMasks] = WholeMasks(sites=sites)
     for m, buffers in a.buffer_slices.items():
         rep_ops[m][SliceBuffers] = SliceBuffers(slices=tuple(
             (path, lay.dim, lay.size, index_to_runs(lay.index)) for path, lay in sorted(buffers.items())),

@@ -16,6 +16,8 @@ A :class:`ModulePlan` lists *ops*, each one collective kind with its own data::
                                        rank's rows as the call enters (no collective)
     SliceBuffers(slices=[...])         buffers applied to split features narrowed to this
                                        rank's rows for the call (no collective)
+    WholeMasks(sites=[...])            dropout masks over split features drawn at their
+                                       whole shape, this rank's rows kept (no collective)
 
 ``dump-plan`` prints these objects, the cost model prices :meth:`ModulePlan.collectives`
 and the runtime installs one handler per op type
@@ -54,7 +56,7 @@ from ..errors import TPError
 
 __all__ = [
     "Collective", "EnterRegion", "GatherOutput", "GradSum", "Hook", "ModuleOp", "ModulePlan", "ReduceOutput",
-    "SliceBuffers", "SliceInputs", "SplitStats", "VocabEmbedding",
+    "SliceBuffers", "SliceInputs", "SplitStats", "VocabEmbedding", "WholeMasks",
 ]
 
 # all-reduces one split statistic issues (var / std: the mean, then the squared deviations)
@@ -327,8 +329,37 @@ class SliceBuffers(ModuleOp):
         return select_rows(buffer, dim, self._rows[i][rank])
 
 
+@dataclass(frozen=True, kw_only=True)
+class WholeMasks(ModuleOp):
+    """Dropout masks this module's training forward draws over split features, drawn at
+    their whole shape from the same generator and narrowed to this rank's rows, so they
+    are the masks one process draws (:mod:`tpcompile.analysis.masks`).  Each site is
+    ``(ndim, dim, size, index, fixed)``: the mask's dims, its split dim of ``size`` global
+    rows, per TP rank the rows it keeps, and ``(dim, local size)`` of its other feature
+    dims.  No collective: each rank draws ``size / local`` times the numbers it keeps.
+
+    Example:
+        >>> op = WholeMasks(sites=((4, 1, 8, ((0, 1, 2, 3), (4, 5, 6, 7)), ()),))
+        >>> op.collectives()
+        []
+    """
+
+    kind: ClassVar[str] = "whole_masks"
+    order: ClassVar[int] = 1
+    sites: tuple = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists: the canonical form is tuples
+        object.__setattr__(self, "sites", tuple(
+            (int(e[0]), int(e[1]), int(e[2]), tuple(tuple(int(i) for i in r) for r in e[3]),
+             tuple((int(d), int(n)) for d, n in e[4])) for e in self.sites))
+
+    def collectives(self) -> list[Collective]:
+        return []
+
+
 OP_KINDS: dict[str, type[ModuleOp]] = {c.kind: c for c in (GradSum, EnterRegion, VocabEmbedding, ReduceOutput,
-                                                            GatherOutput, SplitStats, SliceInputs, SliceBuffers)}
+                                                            GatherOutput, SplitStats, SliceInputs, SliceBuffers,
+                                                            WholeMasks)}
 
 
 @dataclass(kw_only=True)

@@ -46,9 +46,11 @@ from ..plan.modules import (
     SliceInputs,
     SplitStats,
     VocabEmbedding,
+    WholeMasks,
 )
 from ..plan.types import ParamPlan, select_rows
 from . import comm
+from .masks import WholeMaskMode, may_drop
 from .rows import LocalRows, padding_masks, shared_rows, zero_padding
 from .stats import SplitStatMode
 
@@ -408,6 +410,35 @@ class _SplitStatHooks(OpHooks):
             mode.__exit__(None, None, None)
 
 
+class _WholeMaskHooks(OpHooks):
+    """A training forward draws its dropout masks over split features whole and keeps
+    this rank's rows (:mod:`tpcompile.runtime.masks`; entered in ``pre``, left in
+    ``post``).  Not in eval or where every probability is zero (no mask is drawn), nor
+    inside a compiled block, whose tracer takes no dispatch mode: there each rank draws
+    its own rows' mask."""
+
+    training = False
+
+    def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
+        self.training = mod.training and may_drop(mod)
+
+    def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
+        if self.training and not torch.compiler.is_compiling():
+            mode = WholeMaskMode(self.op, self.backend.rank)
+            mode.__enter__()
+            state["mask_mode"] = mode
+        return args, kwargs
+
+    def post(self, mod: nn.Module, out: Any, state: dict[str, Any]) -> Any:
+        self.cleanup(state)
+        return out
+
+    def cleanup(self, state: dict[str, Any]) -> None:
+        mode = state.pop("mask_mode", None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+
 class _SliceInputHooks(OpHooks):
     """Replicated arguments without gradient narrowed to this rank's rows (no collective)."""
 
@@ -470,7 +501,7 @@ class _GatherHooks(OpHooks):
 HANDLERS: dict[type, type[OpHooks]] = {
     GradSum: _GradSumHooks, EnterRegion: _EnterHooks, VocabEmbedding: _VocabHooks,
     ReduceOutput: _ReduceHooks, GatherOutput: _GatherHooks, SplitStats: _SplitStatHooks,
-    SliceInputs: _SliceInputHooks, SliceBuffers: _SliceBufferHooks,
+    SliceInputs: _SliceInputHooks, SliceBuffers: _SliceBufferHooks, WholeMasks: _WholeMaskHooks,
 }
 
 
