@@ -9,7 +9,9 @@ asks for, hooked around the model's own modules (the plan: :mod:`tpcompile.plan.
   traffic as plain tensor parallelism;
 * parameters applied to token slices get their gradient summed over the group;
 * calls asking for intermediate hidden states run whole; a stack split but never
-  gathered (LayerDrop) raises.
+  gathered (LayerDrop) raises;
+* a block's training forward draws its dropout masks over the rank's tokens whole, the
+  rows of its tokens kept (:func:`token_masks`), so they are one process's masks.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..plan.modules import WholeMasks
 from ..plan.sequence_types import Path, RegionPlan, SequencePlan, StackPlan, TokenSlot
 from . import comm
+from .masks import WholeMaskMode, may_drop
 
-__all__ = ["gather_tokens", "install_sequence_parallel", "pad_tokens", "split_tokens"]
+__all__ = ["gather_tokens", "install_sequence_parallel", "pad_tokens", "split_tokens", "token_masks"]
 
 def pad_tokens(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """``x`` padded along ``dim`` to a multiple of ``n`` with copies of the last token
@@ -101,6 +106,23 @@ class _Stream:
     length: int = 0
     left: int = 0  # row outputs that left the current region already split
     open: bool = False  # split by the first block, not yet gathered by the last
+    masks: WholeMasks | None = None  # the stream's dropout masks, drawn whole (training)
+
+
+def token_masks(shape: torch.Size, dim: int, tp: int) -> WholeMasks:
+    """Dropout masks over a split stream of whole ``shape`` (``dim``: its tokens) drawn at
+    that shape: rank ``r`` keeps its ``ceil(S / tp)`` tokens' rows, a padding token the
+    last token's row (its values are the last token's copies, dropped at the gather).
+
+    Example:
+        >>> token_masks(torch.Size([2, 5, 8]), 1, 2).sites[0][3]
+        ((0, 1, 2), (3, 4, 4))
+    """
+    length = shape[dim]
+    chunk = -(-length // tp)
+    index = tuple(tuple(min(i, length - 1) for i in range(r * chunk, (r + 1) * chunk)) for r in range(tp))
+    fixed = tuple((d, int(n)) for d, n in enumerate(shape) if d != dim)
+    return WholeMasks(sites=((len(shape), dim, length, index, fixed),))
 
 
 def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, Any], backend: Any) -> None:
@@ -124,6 +146,8 @@ def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, An
     run = getattr(model, "tpcompile_pipeline", None)
     for stack, spec in seq.stacks.items():
         _hook_stack(mods.get(spec.first), mods.get(spec.last), spec, streams[stack], wanted, group, run)
+        for block in _blocks(mods, stack, spec):
+            _hook_masks(block, streams[stack], group)
     for name, gs in seq.grad_sum.items():
         if name in mods:
             _sum_grads(mods[name], gs.params, streams[gs.stack], group)
@@ -190,6 +214,7 @@ def _hook_stack(first: nn.Module | None, last: nn.Module | None, spec: StackPlan
         st.on = wanted["on"] and isinstance(x, torch.Tensor) and x.dim() > dim
         if st.on:
             st.length, st.open = x.shape[dim], True
+            st.masks = token_masks(x.shape, dim, comm.group_size(group)) if torch.is_grad_enabled() else None
         return st.on
 
     def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -212,6 +237,40 @@ def _hook_stack(first: nn.Module | None, last: nn.Module | None, spec: StackPlan
         first.register_forward_pre_hook(first_pre, with_kwargs=True, prepend=True)
     if last is not None:
         last.register_forward_hook(last_post, with_kwargs=True)
+
+
+def _blocks(mods: dict[str, nn.Module], stack: str, spec: StackPlan) -> list[nn.Module]:
+    """The blocks of ``stack`` from its first to its last (those this rank holds)."""
+    first, last = (int(name.rpartition(".")[2]) for name in (spec.first, spec.last))
+    return [mods[f"{stack}.{i}"] for i in range(first, last + 1) if f"{stack}.{i}" in mods]
+
+
+def _hook_masks(block: nn.Module, st: _Stream, group: Any) -> None:
+    """While the stream is split, the training forward of each dropout module under
+    ``block`` draws the stream's masks whole (:mod:`tpcompile.runtime.masks`); regions,
+    whose tokens are whole, draw their own.  The dropout modules are hooked, not the
+    block: transformers' gradient checkpointing recomputes a block's ``forward`` without
+    its hooks, and a recomputed mask drawn otherwise than in the forward would give
+    wrong gradients (a functional dropout in a block's own code draws its rows' mask,
+    in the forward and its recomputation alike)."""
+    rank = dist.get_rank(group)
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        if st.on and st.masks is not None and mod.training and may_drop(mod) \
+                and not torch.compiler.is_compiling():
+            mode = WholeMaskMode(st.masks, rank)
+            mode.__enter__()
+            mod.__dict__["_tpcompile_token_masks"] = mode
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        mode = mod.__dict__.pop("_tpcompile_token_masks", None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    for drop in block.modules():
+        if isinstance(drop, nn.modules.dropout._DropoutNd):
+            drop.register_forward_pre_hook(pre)
+            drop.register_forward_hook(post, always_call=True)
 
 
 def _leaver(st: _Stream, group: Any, dim: int) -> Any:

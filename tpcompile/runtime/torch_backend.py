@@ -414,13 +414,17 @@ class _WholeMaskHooks(OpHooks):
     """A training forward draws its dropout masks over split features whole and keeps
     this rank's rows (:mod:`tpcompile.runtime.masks`; entered in ``pre``, left in
     ``post``).  Not in eval or where every probability is zero (no mask is drawn), nor
-    inside a compiled block, whose tracer takes no dispatch mode: there each rank draws
-    its own rows' mask."""
+    inside a compiled block, whose tracer takes no dispatch mode, nor in a block
+    transformers' gradient checkpointing recomputes: there each rank draws its own rows'
+    mask."""
 
     training = False
 
     def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
-        self.training = mod.training and may_drop(mod)
+        # a module whose ``forward`` transformers' gradient checkpointing recomputes
+        # without its hooks (a block) keeps its own rows' masks: the recomputation must
+        # draw what the forward drew
+        self.training = mod.training and may_drop(mod) and not getattr(mod, "gradient_checkpointing", False)
 
     def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
         if self.training and not torch.compiler.is_compiling():
