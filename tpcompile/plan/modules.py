@@ -63,6 +63,10 @@ __all__ = [
 STAT_ALL_REDUCES: dict[str, int] = {"sum": 1, "mean": 1, "var": 2, "std": 2}
 
 
+def _lists(value: Any) -> Any:
+    return [_lists(v) for v in value] if isinstance(value, tuple | list) else value
+
+
 class Hook(str, enum.Enum):
     """Where around a module's forward a collective is hooked."""
 
@@ -125,8 +129,9 @@ class ModuleOp:
         raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
-        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        return {"kind": self.kind, **fields}
+        """The op as JSON holds it: nested tuples as lists, so a plan read back from its JSON
+        has the same dict."""
+        return {"kind": self.kind, **{k: _lists(v) for k, v in asdict(self).items()}}
 
 
 @dataclass(frozen=True, kw_only=True)

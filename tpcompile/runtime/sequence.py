@@ -256,13 +256,15 @@ def _hook_masks(block: nn.Module, st: _Stream, group: Any) -> None:
     rank = dist.get_rank(group)
 
     def pre(mod: nn.Module, args: tuple) -> None:
-        if st.on and st.masks is not None and mod.training and may_drop(mod) \
-                and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and st.on and st.masks is not None and mod.training \
+                and may_drop(mod):
             mode = WholeMaskMode(st.masks, rank)
             mode.__enter__()
             mod.__dict__["_tpcompile_token_masks"] = mode
 
     def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         mode = mod.__dict__.pop("_tpcompile_token_masks", None)
         if mode is not None:
             mode.__exit__(None, None, None)

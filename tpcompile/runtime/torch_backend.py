@@ -424,10 +424,13 @@ class _WholeMaskHooks(OpHooks):
         # a module whose ``forward`` transformers' gradient checkpointing recomputes
         # without its hooks (a block) keeps its own rows' masks: the recomputation must
         # draw what the forward drew
-        self.training = mod.training and may_drop(mod) and not getattr(mod, "gradient_checkpointing", False)
+        # (nothing is read inside a compiled block: each read module would be a guard, and
+        # one graph could no longer serve every block)
+        if not torch.compiler.is_compiling():
+            self.training = mod.training and may_drop(mod) and not getattr(mod, "gradient_checkpointing", False)
 
     def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
-        if self.training and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self.training:
             mode = WholeMaskMode(self.op, self.backend.rank)
             mode.__enter__()
             state["mask_mode"] = mode
