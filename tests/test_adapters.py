@@ -142,6 +142,41 @@ def _before(rank: int, world: int) -> dict:
             "lora_grads": sum(1 for n, p in model.named_parameters() if "lora_" in n and p.grad is not None)}
 
 
+def _lora_dropout(rank: int, world: int) -> dict:
+    """LoRA training with ``lora_dropout=0.1`` on every linear equals one process seeded
+    alike, in both orders: the dropout on a row-parallel layer's input (its split
+    features, before ``lora_A``) draws one process's mask (its gradients were 0.12 off)."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def config() -> Any:
+        return LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.1, init_lora_weights=False)
+
+    torch.manual_seed(1)
+    ref = get_peft_model(_build(), config())
+    torch.manual_seed(7)
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    out = {}
+    for order in ("before", "after"):
+        torch.manual_seed(1)
+        if order == "before":
+            model = tpcompile.transform(get_peft_model(_build(), config()), tp=world)
+        else:
+            model = get_peft_model(tpcompile.transform(_build(), tp=world), config())
+            model.load_state_dict(ref.state_dict(), strict=False)
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        got = _grads(model, world)
+        out[order] = (abs(loss.item() - want.item()),
+                      max((got[n] - g).abs().max().item() for n, g in grads.items() if n in got),
+                      len(set(grads) - set(got)))
+    return out
+
+
 KINDS = {  # other adapter kinds: planned exactly, or refused with a TPError
     "ia3": ("IA3Config", {"target_modules": ["k_proj", "down_proj"], "feedforward_modules": ["down_proj"]}),
     "lora_embedding": ("LoraConfig", {"r": 4, "target_modules": ["embed_tokens", "q_proj"]}),
@@ -549,6 +584,13 @@ def test_lora_on_a_vision_language_model_after_transform_is_exact(world2: CaseRe
 
 
 @pytest.mark.slow
+def test_lora_dropout_draws_one_processs_masks(world2: CaseResults) -> None:
+    for r in world2["lora_dropout"]:
+        for order, (loss, grads, missing) in r.items():
+            assert loss < TOL and grads < TOL and missing == 0, (order, r)
+
+
+@pytest.mark.slow
 def test_lora_on_expert_parameters_is_exact(world2: CaseResults) -> None:
     for r in world2["expert_lora"]:
         assert r["same"] and r["logits"] < TOL and r["grads"] < TOL, r
@@ -562,7 +604,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
         cases[f"save_{order}"] = (_saves, str(tmp_path_factory.mktemp(order)), order)
     cases.update(before=(_before,), by_hand=(_by_hand,), kinds=(_kinds,), adalora=(_adalora_allocation,),
                  shared_bank=(_shared_bank_fsdp,), expert_lora=(_expert_lora,),
-                 seq_cls=(_seq_cls,), vlm_after=(_vlm_after,),
+                 seq_cls=(_seq_cls,), vlm_after=(_vlm_after,), lora_dropout=(_lora_dropout,),
                  resume=(_resume, str(tmp_path_factory.mktemp("resume"))))
     return run_cases(2, cases, timeout=900)
 
