@@ -44,6 +44,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "pp=2 x dp2 (gpipe, 1f1b, interleaved) vs dp4, tp2 x dp2: step time, memory, bubble; "
                  "every schedule's bubble at pp=2 (world 2)"),
     "layout_rank": ("layout_rank", "layout planner vs measured steps: Spearman, top-1, memory per rank"),
+    "dropout_masks": ("dropout_masks", "training step with dropout: masks drawn whole (one process's) vs local, tp=2"),
     "soak": ("soak", "1,000 steps at dp2 x tp2 with a checkpoint every 100: memory, hooks, file descriptors flat"),
 }
 
