@@ -18,6 +18,8 @@ experts): :class:`ParamRef` tracks which parameter dim is contracted.
 
 from __future__ import annotations
 
+import string
+
 import numpy as np
 import torch
 
@@ -417,6 +419,26 @@ def gather(an: Analysis, node: torch.fx.Node) -> object:
     return an.feat(an.tie(parts)) if parts else None
 
 
+def _without_ellipsis(equation: str, ndims: list[int]) -> str | None:
+    """``equation`` with each ``...`` spelled out in fresh labels, right-aligned across
+    the operands as einsum broadcasts them (LongT5's ``"...hqk,...khd->...qhd"``);
+    ``None`` where it has none or cannot be spelled out (no output given, too few
+    letters left)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    ins = lhs.split(",")
+    if "..." not in eq or not arrow or len(ins) != len(ndims):
+        return None
+    fresh = [c for c in string.ascii_letters if c not in eq]
+    counts = [n - len(s.replace("...", "")) if "..." in s else 0 for s, n in zip(ins, ndims, strict=True)]
+    width = max(counts)
+    if width > len(fresh) or min(counts) < 0:
+        return None
+    ell = "".join(fresh[:width])
+    ins = [s.replace("...", ell[width - c:]) for s, c in zip(ins, counts, strict=True)]
+    return ",".join(ins) + "->" + rhs.replace("...", ell)
+
+
 @rule(aten.einsum)
 def einsum(an: Analysis, node: torch.fx.Node) -> object:
     """An einsum of activations read from its equation, with matmul's algebra: operands'
@@ -432,6 +454,7 @@ def einsum(an: Analysis, node: torch.fx.Node) -> object:
         return None
     if not any(isinstance(v, Feat) for v in vals):
         return None
+    equation = _without_ellipsis(equation, [an.ndim(o) for o in operands]) or equation
     lhs, arrow, out_labels = equation.replace(" ", "").partition("->")
     ins = lhs.split(",")
     if (not arrow or "." in equation or len(ins) != len(operands)

@@ -258,6 +258,21 @@ def test_state_space_mla_and_straddling_heads_train_under_fsdp2_times_tp() -> No
                 assert abs(got - want) <= 1e-4 * abs(want), (name, steps)
 
 
+def test_a_model_that_needs_a_mask_under_tracing_gets_one_of_ones() -> None:
+    """LongT5's local attention blocks ``attention_mask`` without a None check when
+    traced (it builds the mask only outside torch.export): the capture was refused;
+    a default capture that fails now retries with the all-ones mask the model builds."""
+    from tpcompile.capture import capture
+
+    with torch.device("meta"):
+        model = hf.LongT5ForConditionalGeneration(hf.LongT5Config(
+            d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2, vocab_size=256,
+            local_radius=4, decoder_start_token_id=0))
+    assert "attention_mask" in capture(model).example_kwargs
+    plan = tpcompile.plan_model(model, tp=2)
+    assert plan.params["encoder.block.0.layer.0.LocalSelfAttention.q.weight"].role.value == "column"
+
+
 def test_example_inputs_come_from_the_model() -> None:
     shapes = {name: {k: tuple(v.shape) for k, v in example_inputs(build(name, meta=True)).items()}
               for name in ("t5", "vit", "mamba", "clip")}

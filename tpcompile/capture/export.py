@@ -339,6 +339,17 @@ def size_data_dependent(graph: torch.fx.Graph) -> None:
                 env.real_tensor_prop_unbacked_vals.setdefault(x, sympy.Integer(DATA_DEPENDENT_SIZE))
 
 
+def _with_mask_of_ones(model: nn.Module, kwargs: dict | None) -> dict | None:
+    """``kwargs`` with an all-ones ``attention_mask`` where the forward takes one and the
+    example has token ids but no mask; else ``None``."""
+    from .inputs import forward_params
+
+    ids = (kwargs or {}).get("input_ids")
+    if not isinstance(ids, torch.Tensor) or "attention_mask" in kwargs or "attention_mask" not in forward_params(model):
+        return None
+    return {**kwargs, "attention_mask": torch.ones_like(ids)}
+
+
 def capture(
     model: nn.Module,
     *,
@@ -396,6 +407,16 @@ def capture(
         if default and text_only(model, err):
             _restore_modes(modes)
             return capture(model, cut_stacks=cut_stacks)
+        masked = _with_mask_of_ones(model, example_kwargs) if default else None
+        if masked is not None:
+            # code that builds a missing mask only when not traced (LongT5's local attention
+            # blocks ``attention_mask`` without a None check under torch.export): the mask
+            # it would have built
+            _restore_modes(modes)
+            try:
+                return capture(model, example_kwargs=masked, cut_stacks=cut_stacks)
+            except CaptureError:
+                pass
         raise CaptureError(
             f"tpcompile could not capture {type(model).__name__} with torch.export "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "

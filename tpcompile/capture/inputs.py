@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import TPError
 from .splice import spliced_inputs
 
-__all__ = ["example_inputs"]
+__all__ = ["example_inputs", "forward_params"]
 
 
 def _config(model: nn.Module) -> Any:
@@ -211,7 +211,7 @@ def example_inputs(
     config = _config(model)
     dtype, device = _param_dtype(model)
     name = getattr(model, "main_input_name", "input_ids")
-    params = _forward_params(model)
+    params = forward_params(model)
     if config is None:
         if name != "input_ids":
             raise TPError(f"{type(model).__name__} has no config to size {name!r}; pass example_inputs=")
@@ -243,7 +243,7 @@ def example_inputs(
     return out
 
 
-def _forward_params(model: nn.Module) -> Any:
+def forward_params(model: nn.Module) -> Any:
     """The forward's parameters; a wrapper whose forward takes ``*args, **kwargs`` alone (a
     ``PeftModel`` without a task type, around T5) has its base model's."""
     try:
@@ -253,7 +253,7 @@ def _forward_params(model: nn.Module) -> Any:
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     base = getattr(model, "get_base_model", None)
     if params and all(p.kind in variadic for p in params.values()) and callable(base) and base() is not model:
-        return _forward_params(base())
+        return forward_params(base())
     return params
 
 
