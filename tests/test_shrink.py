@@ -169,6 +169,9 @@ def test_sizes_tied_to_others_follow_them() -> None:
     marian = shrink_config(AutoConfig.for_model("marian"), 2)
     assert marian.decoder_vocab_size == marian.vocab_size <= 512
     assert marian.pad_token_id < marian.vocab_size
+    # Zamba2's attention reads the hidden state and the embeddings concatenated: twice the width
+    zamba2 = shrink_config(AutoConfig.for_model("zamba2"), 2)
+    assert zamba2.attention_hidden_size == 2 * zamba2.hidden_size, zamba2.attention_hidden_size
 
 
 def test_count_and_size_helpers() -> None:

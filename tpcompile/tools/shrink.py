@@ -315,6 +315,12 @@ def _shrink_widths(data: dict[str, Any], new: dict[str, Any], tp: int, head_coun
         for key in _get(data, _HIDDEN_ALIASES):
             if data[key] == real_hidden:
                 new[key] = new[hidden_key]
+        for key, value in data.items():
+            # a width given as a multiple of the hidden size (Zamba2's attention_hidden_size:
+            # twice it, the concatenated input and original embeddings) keeps its multiple
+            if (key.endswith("attention_hidden_size") and key not in new and type(value) is int
+                    and value > real_hidden and value % real_hidden == 0):
+                new[key] = value // real_hidden * new[hidden_key]
         if data.get("query_pre_attn_scalar") == real_hd:
             new["query_pre_attn_scalar"] = hd
     for key in _get(data, _FFN_KEYS):
