@@ -495,9 +495,9 @@ SMP_KEYS: dict[str, Rule] = {
     "activation_loading_horizon": _to("loading_horizon", _int),
     "random_seed": _to("seed", _int),
     "tensor_parallel_seed": NoEffect("SMP seeds dropout inside TP regions per TP rank from it; "
-                                     "tpcompile keeps one RNG stream per TP group (random_seed), so "
-                                     "dropout on sharded activations draws the same pattern on each "
-                                     "TP rank: exact without active dropout", _int),
+                                     "tpcompile keeps one RNG stream per TP group (random_seed) and "
+                                     "draws masks over sharded activations at their whole shape, each "
+                                     "rank keeping its rows: the masks one process draws", _int),
     "expert_parallel_degree": _to("ep", _int),
     "context_parallel_degree": _to("cp", _int),
     "pipeline_parallel_degree": _to("pp", _int),
