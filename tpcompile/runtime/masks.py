@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..plan.modules import WholeMasks
+from .random_state import has_dropout, is_dropout_field
 
 __all__ = ["WholeMaskMode", "may_drop"]
 
@@ -86,13 +87,7 @@ def may_drop(module: torch.nn.Module) -> bool:
     its code reads (``self.attention_dropout``, T5's ``self.dropout``, a config's
     ``attention_dropout``), above zero.  Asked at each training call, so the mode (a
     Python dispatch per op) stays off where every dropout is zero, as in most decoders."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()):
-        return True
-    config = getattr(module, "config", None)
-    for attrs in (vars(module), vars(config) if hasattr(config, "__dict__") else {}):
-        if any(isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in attrs.items()):
-            return True
-    return False
+    return has_dropout(module) or any(is_dropout_field(k, v) for k, v in vars(module).items())
 
 
 def _whole_like(t: torch.Tensor, site: tuple) -> torch.Tensor:

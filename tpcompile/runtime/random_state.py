@@ -25,18 +25,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["first_ranks_state", "has_dropout", "share_state", "state_tensor"]
+__all__ = ["first_ranks_state", "has_dropout", "is_dropout_field", "share_state", "state_tensor"]
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+def _states() -> list[torch.Tensor]:
+    """This rank's generator states: the CPU's, and CUDA's once in use."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
+
+
+def _set_states(states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
 
 
 def state_tensor(device: torch.device) -> torch.Tensor:
-    """This rank's generator states (CPU, and CUDA once in use) as one byte tensor on
-    ``device``, to checksum beside the inputs."""
-    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if _cuda() else [])
-    return torch.cat(states).to(device)
+    """This rank's generator states as one byte tensor on ``device``, to checksum beside
+    the inputs."""
+    return torch.cat(_states()).to(device)
+
+
+def is_dropout_field(key: str, value: object) -> bool:
+    """A probability a dropout reads (``attention_dropout``, ``resid_pdrop``), above zero."""
+    return isinstance(value, float) and value > 0 and ("dropout" in key or "pdrop" in key)
 
 
 def has_dropout(model: nn.Module) -> bool:
@@ -53,7 +65,7 @@ def has_dropout(model: nn.Module) -> bool:
             continue
         seen.add(id(cfg))
         for key, value in vars(cfg).items():
-            if isinstance(value, float) and value > 0 and ("dropout" in key or "pdrop" in key):
+            if is_dropout_field(key, value):
                 return True
             if hasattr(value, "to_dict"):  # a sub-config (text_config, vision_config)
                 stack.append(value)
@@ -62,23 +74,19 @@ def has_dropout(model: nn.Module) -> bool:
 
 def share_state(group: Any) -> None:
     """Every rank of ``group`` takes its first rank's CPU (and CUDA) generator state."""
-    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if _cuda() else [])
+    states = _states()
     dist.broadcast_object_list(states, group_src=0, group=group)
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state(states[1])
+    _set_states(states)
 
 
 @contextlib.contextmanager
 def first_ranks_state(group: Any) -> Iterator[None]:
     """Inside: every rank draws from the group's first rank's generator state (a sampled
     token as one process samples it); after: each rank's own state again."""
-    own = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if _cuda() else [])
+    own = _states()
     share_state(group)
     try:
         yield
     finally:
         if dist.get_rank(group) != 0:
-            torch.set_rng_state(own[0])
-            if len(own) > 1:
-                torch.cuda.set_rng_state(own[1])
+            _set_states(own)

@@ -106,7 +106,8 @@ class _Stream:
     length: int = 0
     left: int = 0  # row outputs that left the current region already split
     open: bool = False  # split by the first block, not yet gathered by the last
-    masks: WholeMasks | None = None  # the stream's dropout masks, drawn whole (training)
+    shape: torch.Size | None = None  # the whole stream's shape, where a forward records grad
+    masks: WholeMasks | None = None  # its dropout masks, built at the first draw of a forward
 
 
 def token_masks(shape: torch.Size, dim: int, tp: int) -> WholeMasks:
@@ -147,7 +148,7 @@ def install_sequence_parallel(model: nn.Module, seq: SequencePlan | dict[str, An
     for stack, spec in seq.stacks.items():
         _hook_stack(mods.get(spec.first), mods.get(spec.last), spec, streams[stack], wanted, group, run)
         for block in _blocks(mods, stack, spec):
-            _hook_masks(block, streams[stack], group)
+            _hook_masks(block, streams[stack], spec.stream.dim, group)
     for name, gs in seq.grad_sum.items():
         if name in mods:
             _sum_grads(mods[name], gs.params, streams[gs.stack], group)
@@ -214,7 +215,7 @@ def _hook_stack(first: nn.Module | None, last: nn.Module | None, spec: StackPlan
         st.on = wanted["on"] and isinstance(x, torch.Tensor) and x.dim() > dim
         if st.on:
             st.length, st.open = x.shape[dim], True
-            st.masks = token_masks(x.shape, dim, comm.group_size(group)) if torch.is_grad_enabled() else None
+            st.shape, st.masks = (x.shape if torch.is_grad_enabled() else None), None
         return st.on
 
     def first_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -245,19 +246,23 @@ def _blocks(mods: dict[str, nn.Module], stack: str, spec: StackPlan) -> list[nn.
     return [mods[f"{stack}.{i}"] for i in range(first, last + 1) if f"{stack}.{i}" in mods]
 
 
-def _hook_masks(block: nn.Module, st: _Stream, group: Any) -> None:
+def _hook_masks(block: nn.Module, st: _Stream, dim: int, group: Any) -> None:
     """While the stream is split, the training forward of each dropout module under
     ``block`` draws the stream's masks whole (:mod:`tpcompile.runtime.masks`); regions,
     whose tokens are whole, draw their own.  The dropout modules are hooked, not the
     block: transformers' gradient checkpointing recomputes a block's ``forward`` without
     its hooks, and a recomputed mask drawn otherwise than in the forward would give
     wrong gradients (a functional dropout in a block's own code draws its rows' mask,
-    in the forward and its recomputation alike)."""
-    rank = dist.get_rank(group)
+    in the forward and its recomputation alike).  The masks' rows (a tuple per rank, as
+    long as the stream) are built at a forward's first draw: a forward without dropout
+    pays nothing."""
+    rank, tp = dist.get_rank(group), comm.group_size(group)
 
     def pre(mod: nn.Module, args: tuple) -> None:
-        if not torch.compiler.is_compiling() and st.on and st.masks is not None and mod.training \
+        if not torch.compiler.is_compiling() and st.on and st.shape is not None and mod.training \
                 and may_drop(mod):
+            if st.masks is None:
+                st.masks = token_masks(st.shape, dim, tp)
             mode = WholeMaskMode(st.masks, rank)
             mode.__enter__()
             mod.__dict__["_tpcompile_token_masks"] = mode

@@ -418,7 +418,7 @@ class _WholeMaskHooks(OpHooks):
     transformers' gradient checkpointing recomputes: there each rank draws its own rows'
     mask."""
 
-    training = False
+    whole = False  # this call draws its masks whole
 
     def swap(self, mod: nn.Module, saved: dict[str, Any]) -> None:
         # a module whose ``forward`` transformers' gradient checkpointing recomputes
@@ -427,10 +427,10 @@ class _WholeMaskHooks(OpHooks):
         # (nothing is read inside a compiled block: each read module would be a guard, and
         # one graph could no longer serve every block)
         if not torch.compiler.is_compiling():
-            self.training = mod.training and may_drop(mod) and not getattr(mod, "gradient_checkpointing", False)
+            self.whole = mod.training and may_drop(mod) and not getattr(mod, "gradient_checkpointing", False)
 
     def pre(self, args: tuple, kwargs: dict, state: dict[str, Any]) -> tuple[tuple, dict]:
-        if not torch.compiler.is_compiling() and self.training:
+        if not torch.compiler.is_compiling() and self.whole:
             mode = WholeMaskMode(self.op, self.backend.rank)
             mode.__enter__()
             state["mask_mode"] = mode
