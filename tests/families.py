@@ -38,7 +38,7 @@ GENERATES = {"phi3", "t5", "mamba", "deepseek_v3", "diffllama", "apertus", "bart
              "mamba2_one_group", "falcon_h1", "jetmoe", "jamba",
              "olmo2", "olmo3", "bitnet", "olmoe", "olmoe_mqa", "gpt_oss", "gpt_oss_loop", "mixtral_loop",
              "llama4_text", "mpt", "bloom", "llava", "gemma3_vlm", "trocr", "llava_next", "mistral3", "audioflamingo3", "xlm", "git",
-             "falcon_uneven", "falcon_alibi_uneven", "phi3_partial", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
+             "falcon_uneven", "falcon_alibi_uneven", "phi3_partial", "longt5", "gpt2_uneven", "mpt_uneven", "t5_uneven", "bitnet_uneven", "qwen2_uneven",
              "llama_straddle", "phi3_straddle", "bitnet_straddle", "llama_straddle_padded"}
 
 
@@ -69,6 +69,10 @@ def _config(name: str, attn: str | None) -> tuple[type, hf.PreTrainedConfig]:
     if name == "t5":  # relative-position bias per head, shared embedding, decoder start token
         return hf.T5ForConditionalGeneration, hf.T5Config(
             d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2,
+            vocab_size=256, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **kw)
+    if name == "longt5":  # local attention over blocks: an ellipsis einsum, a mask the trace needs
+        return hf.LongT5ForConditionalGeneration, hf.LongT5Config(
+            d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2, local_radius=4,
             vocab_size=256, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **kw)
     if name == "vit":  # pixel_values in, conv patch embedding, CLS token
         return hf.ViTModel, hf.ViTConfig(

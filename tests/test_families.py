@@ -68,6 +68,9 @@ CASES_TP2 = [
     ("falcon_alibi_uneven", "eager"),
     # head counts searched where one global count has two local ones (partial rotary)
     ("phi3_partial", "sdpa"),
+    # local attention (LongT5): captured with the all-ones mask it builds outside tracing,
+    # its "...hqk,...khd->...qhd" einsum split by heads
+    ("longt5", "eager"),
     # query heads straddling KV groups: a KV head held once, read once per query head
     ("llama_straddle", "eager"), ("phi3_straddle", "sdpa"),
     # a head the model returns and reads on (kept whole for its reader); a plan captured
